@@ -1,0 +1,298 @@
+"""find_blocks(model) -> list[BlockMap]: where each transformer block lives in an exported graph.
+
+This is the only code that knows what a block looks like. It reads structure, never names:
+
+1. Every normalisation is found by its shape: a fused LayerNormalization / RMSNormalization op,
+   or a ReduceMean over the last axis of x**2 (RMSNorm) or of (x - mean(x))**2 (LayerNorm).
+   The values the normalisations read are the candidate residual-stream values.
+2. From the value the final normalisation reads, the stream is walked backwards: each stream
+   value is a sum (a tree of Adds of two computed operands) of the previous stream value and one
+   or two branch outputs. A bias Add has a constant operand, so it ends a branch, not a sum.
+3. A branch that reaches a Softmax (or a fused attention op) is attention, any other is the mlp.
+   Attention then mlp in consecutive steps is a sequential block; both in one step is parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import onnx_ir as ir
+
+from surgery.errors import SurgeryError
+
+ATTENTION_OPS = frozenset(
+    {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedMultiHeadAttention"}
+)
+# Ops through which a value computed only from constants is still a constant (a weight).
+_CONST_PASSTHROUGH = frozenset({"Transpose", "Cast", "Reshape", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
+_FUSED_NORMS = {
+    "LayerNormalization": "LayerNorm (fused op)",
+    "RMSNormalization": "RMSNorm (fused op)",
+    "SimplifiedLayerNormalization": "RMSNorm (fused op)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMap:
+    """Where block `layer` lives in the graph, by value name."""
+
+    layer: int
+    resid_pre: str
+    attn_out: str
+    resid_mid: str | None  # None in a parallel block
+    mlp_in: str  # the value ln2 reads (resid_mid, or resid_pre when parallel)
+    mlp_out: str
+    resid_post: str
+    ln_kind: str  # e.g. "RMSNorm (decomposed)", "LayerNorm (fused op)"
+    mlp_kind: str  # "gated" (act(x W_gate) * x W_up) or "plain" (act(x W_in))
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.resid_mid is None
+
+    @property
+    def form(self) -> str:
+        return "parallel" if self.is_parallel else "sequential"
+
+    def tensors(self) -> dict[str, str]:
+        """The block's residual tensors, name -> graph value name (resid_mid omitted when parallel)."""
+        names = {
+            "resid_pre": self.resid_pre,
+            "attn_out": self.attn_out,
+            "resid_mid": self.resid_mid,
+            "mlp_out": self.mlp_out,
+            "resid_post": self.resid_post,
+        }
+        return {k: v for k, v in names.items() if v is not None}
+
+
+def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
+    """Find every transformer block of a decoder graph, in order, from the graph's structure alone.
+
+    Args:
+        model: the exported decoder.
+        where: how error messages name the model (usually its path).
+
+    Raises:
+        SurgeryError: the graph is not a decoder made of residual attention and mlp blocks.
+    """
+    graph = model.graph
+    order = {node: i for i, node in enumerate(graph)}
+    is_const = _ConstantTest()
+    norms = _find_norms(graph)
+    if not norms:
+        raise SurgeryError(
+            f"found no transformer blocks in {where}: it has no LayerNorm or RMSNorm "
+            f"(ops: {_op_summary(graph)}); export a decoder LM with `surgery export`"
+        )
+    stream = set(norms)
+
+    # Walk the residual stream backwards from the value the last normalisation reads.
+    current = max(stream, key=lambda v: _position(v, order))
+    steps: list[tuple[ir.Value, ir.Value, list[ir.Value]]] = []  # (prev stream value, next, branch outputs)
+    while True:
+        terms = _sum_terms(current, stream, is_const, top=True)
+        previous = [t for t in terms if t in stream and t is not current]
+        if len(previous) != 1:
+            break
+        branches = [t for t in terms if t is not previous[0]]
+        steps.append((previous[0], current, branches))
+        current = previous[0]
+    steps.reverse()
+    if not steps:
+        raise SurgeryError(
+            f"found no transformer blocks in {where}: {len(stream)} normalisation input(s) "
+            f"but no residual Add around them (ops: {_op_summary(graph)}); export a decoder LM with `surgery export`"
+        )
+
+    blocks: list[BlockMap] = []
+    i = 0
+    while i < len(steps):
+        pre, post, branches = steps[i]
+        kinds = [_branch_kind(b, pre, stream) for b in branches]
+        if sorted(kinds) == ["attn", "mlp"]:
+            attn, mlp = (branches if kinds[0] == "attn" else branches[::-1])
+            blocks.append(_block(len(blocks), pre, attn, None, pre, mlp, post, norms, stream, is_const))
+            i += 1
+            continue
+        if kinds == ["attn"] and i + 1 < len(steps):
+            mid, post2, branches2 = steps[i + 1]
+            kinds2 = [_branch_kind(b, mid, stream) for b in branches2]
+            if kinds2 == ["mlp"]:
+                blocks.append(
+                    _block(len(blocks), pre, branches[0], mid, mid, branches2[0], post2, norms, stream, is_const)
+                )
+                i += 2
+                continue
+        found = " + ".join(f"{k} ({b.name})" for k, b in zip(kinds, branches)) or "nothing"
+        raise SurgeryError(
+            f"cannot read block {len(blocks)} of {where}: the residual add at {post.name!r} "
+            f"adds {found} to {pre.name!r}; expected attention then mlp (sequential) or both at once (parallel)"
+        )
+    return blocks
+
+
+def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) -> BlockMap:
+    ln_kinds = sorted(set(norms[pre]))
+    mlp_nodes = _branch_nodes(mlp, stream)
+    weights = sum(1 for n in mlp_nodes if n.op_type in ("MatMul", "Gemm") and any(is_const(x) for x in n.inputs))
+    return BlockMap(
+        layer=layer,
+        resid_pre=pre.name,
+        attn_out=attn.name,
+        resid_mid=None if mid is None else mid.name,
+        mlp_in=mlp_in.name,
+        mlp_out=mlp.name,
+        resid_post=post.name,
+        ln_kind=" / ".join(ln_kinds),
+        mlp_kind="gated" if weights >= 3 else "plain",
+    )
+
+
+def _find_norms(graph: ir.Graph) -> dict[ir.Value, list[str]]:
+    """Map each value a normalisation reads to the kinds of normalisation reading it."""
+    norms: dict[ir.Value, list[str]] = {}
+    for node in graph:
+        kind, reads = None, None
+        if node.op_type in _FUSED_NORMS and node.domain in ("", "ai.onnx", "com.microsoft"):
+            kind, reads = _FUSED_NORMS[node.op_type], _strip_casts(node.inputs[0])
+        elif node.op_type == "ReduceMean" and _reduces_last_axis(node):
+            square = _strip_casts(node.inputs[0]).producer()
+            base = _squared(square)
+            if base is not None:
+                centred = base.producer()
+                if centred is not None and centred.op_type == "Sub" and _is_mean_of(centred.inputs[1], centred.inputs[0]):
+                    kind, reads = "LayerNorm (decomposed)", _strip_casts(centred.inputs[0])
+                else:
+                    kind, reads = "RMSNorm (decomposed)", base
+        if kind is not None and reads is not None:
+            norms.setdefault(reads, []).append(kind)
+    return norms
+
+
+def _squared(node: ir.Node | None) -> ir.Value | None:
+    """If `node` computes z**2 (Pow(z, 2) or Mul(z, z)), return z without casts."""
+    if node is None:
+        return None
+    if node.op_type == "Pow":
+        exponent = node.inputs[1].const_value if node.inputs[1] is not None else None
+        if exponent is None and node.inputs[1] is not None and node.inputs[1].producer() is not None:
+            producer = node.inputs[1].producer()
+            if producer.op_type == "Constant" and "value" in producer.attributes:
+                exponent = producer.attributes["value"].value
+        if exponent is not None and float(exponent.numpy().reshape(-1)[0]) == 2.0:
+            return _strip_casts(node.inputs[0])
+    if node.op_type == "Mul" and node.inputs[0] is node.inputs[1]:
+        return _strip_casts(node.inputs[0])
+    return None
+
+
+def _is_mean_of(mean: ir.Value | None, x: ir.Value | None) -> bool:
+    node = mean.producer() if mean is not None else None
+    return node is not None and node.op_type == "ReduceMean" and _strip_casts(node.inputs[0]) is _strip_casts(x)
+
+
+def _reduces_last_axis(node: ir.Node) -> bool:
+    axes = None
+    if "axes" in node.attributes:
+        axes = list(node.attributes["axes"].value)
+    elif len(node.inputs) > 1 and node.inputs[1] is not None:
+        tensor = _constant_tensor(node.inputs[1])
+        if tensor is None:
+            return False
+        axes = [int(a) for a in tensor.numpy().reshape(-1)]
+    if axes is None or len(axes) != 1:
+        return False
+    rank = node.inputs[0].shape.rank() if node.inputs[0].shape is not None else None
+    return axes[0] == -1 or (rank is not None and axes[0] == rank - 1)
+
+
+def _constant_tensor(value: ir.Value):
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return producer.attributes["value"].value
+    return None
+
+
+def _strip_casts(value: ir.Value | None) -> ir.Value | None:
+    while value is not None and value.producer() is not None and value.producer().op_type in ("Cast", "Identity"):
+        value = value.producer().inputs[0]
+    return value
+
+
+class _ConstantTest:
+    """value -> True when it is a weight: an initializer or Constant, maybe transposed, cast or reshaped."""
+
+    def __init__(self) -> None:
+        self._memo: dict[ir.Value, bool] = {}
+
+    def __call__(self, value: ir.Value | None, depth: int = 0) -> bool:
+        if value is None:
+            return False
+        if value not in self._memo:
+            self._memo[value] = self._compute(value, depth)
+        return self._memo[value]
+
+    def _compute(self, value: ir.Value, depth: int) -> bool:
+        if value.const_value is not None or value.is_initializer():
+            return True
+        node = value.producer()
+        if node is None:
+            return False
+        if node.op_type == "Constant":
+            return True
+        if node.op_type in _CONST_PASSTHROUGH and depth < 4:
+            return self(node.inputs[0], depth + 1)
+        return False
+
+
+def _sum_terms(value: ir.Value, stream: set[ir.Value], is_const: _ConstantTest, top: bool = False) -> list[ir.Value]:
+    """Flatten `value` as a sum: descend through Adds of two computed operands, stopping at stream values.
+
+    Exporters may let the residual Add read an identity Cast that a normalisation also reads; the
+    stream value is the Cast's input.
+    """
+    if not top and _strip_casts(value) in stream:
+        return [_strip_casts(value)]
+    node = value.producer()
+    if node is None or node.op_type != "Add" or len(node.inputs) != 2 or any(is_const(x) for x in node.inputs):
+        return [value]
+    return [t for operand in node.inputs for t in _sum_terms(operand, stream, is_const)]
+
+
+def _branch_nodes(output: ir.Value, stream: set[ir.Value]) -> set[ir.Node]:
+    """Nodes that compute `output`, not looking past residual-stream values."""
+    seen: set[ir.Node] = set()
+    todo = [output]
+    while todo:
+        value = todo.pop()
+        node = value.producer()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(x for x in node.inputs if x is not None and x not in stream)
+    return seen
+
+
+def _branch_kind(output: ir.Value, source: ir.Value, stream: set[ir.Value]) -> str:
+    """'attn' if the branch mixes tokens (Softmax or an attention op), 'mlp' if it reads `source` otherwise."""
+    nodes = _branch_nodes(output, stream)
+    if not any(x is source for n in nodes for x in n.inputs):
+        return "unrelated"
+    return "attn" if any(n.op_type in ATTENTION_OPS for n in nodes) else "mlp"
+
+
+def _position(value: ir.Value, order: dict[ir.Node, int]) -> int:
+    node = value.producer()
+    return -1 if node is None else order[node]
+
+
+def _op_summary(graph: Iterable[ir.Node], top: int = 6) -> str:
+    counts: dict[str, int] = {}
+    for node in graph:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    common = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{n} {op}" for op, n in common) or "none"

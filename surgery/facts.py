@@ -1,0 +1,99 @@
+"""describe(path) -> ModelFacts: what `surgery inspect` shows about an exported model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import onnx_ir as ir
+
+from surgery import graph
+from surgery.blocks import BlockMap, find_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """Facts about one exported decoder, read from the graph alone."""
+
+    path: str
+    n_layers: int
+    d_model: int | None
+    vocab: int | None
+    form: str  # "sequential", "parallel" or "mixed"
+    kv_cache: bool
+    opset: int
+    ir_version: int
+    producer: str
+    size_bytes: int
+    external_data: tuple[str, ...]
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    history: tuple[dict, ...]
+    blocks: tuple[BlockMap, ...]
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        for block, raw in zip(self.blocks, data["blocks"]):
+            raw["form"] = block.form
+        return data
+
+
+def describe(path: str | Path) -> ModelFacts:
+    """Load the model at `path` (weights stay on disk) and gather its facts and block map."""
+    file = graph.resolve(path)
+    model = graph.load(file)
+    blocks = find_blocks(model, where=str(file))
+    forms = {b.form for b in blocks}
+    table = _embedding_table(model)
+    return ModelFacts(
+        path=str(file),
+        n_layers=len(blocks),
+        d_model=None if table is None else table[1],
+        vocab=None if table is None else table[0],
+        form=forms.pop() if len(forms) == 1 else "mixed",
+        kv_cache=any(_is_kv(v) for v in model.graph.inputs),
+        opset=model.opset_imports.get("", 0),
+        ir_version=model.ir_version,
+        producer=f"{model.producer_name or '?'} {model.producer_version or ''}".strip(),
+        size_bytes=graph.size_on_disk(model, file),
+        external_data=tuple(p.name for p in graph.external_data_files(model, file)),
+        inputs=tuple(_info(v) for v in model.graph.inputs),
+        outputs=tuple(_info(v) for v in model.graph.outputs),
+        history=tuple(graph.history(model)),
+        blocks=tuple(blocks),
+    )
+
+
+def _embedding_table(model: ir.Model) -> tuple[int, int] | None:
+    """(vocab, d_model) from the token embedding: a Gather from a 2-D weight by a graph input."""
+    for node in model.graph:
+        table, ids = node.inputs[0] if node.inputs else None, node.inputs[1] if len(node.inputs) > 1 else None
+        if node.op_type != "Gather" or table is None or ids is None or table.const_value is None:
+            continue
+        if table.shape is not None and table.shape.rank() == 2 and _from_input(ids):
+            return int(table.shape[0]), int(table.shape[1])
+    return None
+
+
+def _from_input(value: ir.Value, depth: int = 3) -> bool:
+    """True when `value` is a graph input, maybe reshaped (dynamo writes Gather(W, Reshape(input_ids)))."""
+    if value.is_graph_input():
+        return True
+    node = value.producer()
+    return depth > 0 and node is not None and node.op_type in ("Reshape", "Cast", "Unsqueeze") and _from_input(node.inputs[0], depth - 1)
+
+
+def _is_kv(value: ir.Value) -> bool:
+    return value.dtype is not None and value.dtype.is_floating_point() and value.shape is not None and value.shape.rank() == 4
+
+
+def _info(value: ir.Value) -> TensorInfo:
+    dims = "?" if value.shape is None else "[" + ", ".join(str(d) for d in value.shape) + "]"
+    return TensorInfo(value.name, value.dtype.name.lower() if value.dtype is not None else "?", dims)

@@ -1,0 +1,111 @@
+"""ONNX files on disk: find, load, tap and size them. Weights stay on disk until something reads them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import onnx_ir as ir
+
+from surgery.errors import SurgeryError
+
+MODEL_FILE = "model.onnx"
+
+
+def resolve(path: str | Path) -> Path:
+    """Return the .onnx file behind `path`: the file itself, or model.onnx inside a folder."""
+    path = Path(path)
+    if path.is_dir():
+        candidate = path / MODEL_FILE
+        if candidate.is_file():
+            return candidate
+        found = sorted(path.glob("*.onnx"))
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise SurgeryError(f"found no .onnx file in {path}; export one with `surgery export`")
+        names = ", ".join(f.name for f in found)
+        raise SurgeryError(f"found several .onnx files in {path} ({names}); pass the one you mean")
+    if not path.exists():
+        raise SurgeryError(f"{path} does not exist; pass an .onnx file or a folder from `surgery export`")
+    return path
+
+
+def load(path: str | Path) -> ir.Model:
+    """Load an ONNX model; external data is referenced, not read into memory."""
+    file = resolve(path)
+    try:
+        return ir.load(file)
+    except Exception as e:  # protobuf raises DecodeError; onnx_ir may raise others on bad content
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SurgeryError(
+            f"cannot read {file} as an ONNX model ({reason}); pass an .onnx file written by an ONNX exporter"
+        ) from None
+
+
+def external_data_files(model: ir.Model, base: Path) -> list[Path]:
+    """Files next to the model that hold its external initializer data."""
+    files = set()
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            files.add((base.parent / tensor.location).resolve())
+    return sorted(files)
+
+
+def size_on_disk(model: ir.Model, path: str | Path) -> int:
+    """Bytes of the .onnx file plus its external data files."""
+    file = resolve(path)
+    return file.stat().st_size + sum(f.stat().st_size for f in external_data_files(model, file) if f.exists())
+
+
+def stream_dtype(model: ir.Model) -> ir.DataType:
+    """The float type of the residual stream: that of the token embedding table."""
+    for node in model.graph:
+        if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].const_value is not None:
+            dtype = node.inputs[0].dtype
+            if dtype is not None and dtype.is_floating_point():
+                return dtype
+    return ir.DataType.FLOAT
+
+
+def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
+    """Return a copy of `model` that also outputs the named values (weights shared, not copied)."""
+    model = model.clone()
+    values = {v.name: v for v in _all_values(model.graph)}
+    dtype = stream_dtype(model)
+    present = {v.name for v in model.graph.outputs}
+    for name in names:
+        if name in present:
+            continue
+        value = values.get(name)
+        if value is None:
+            raise SurgeryError(f"the graph has no value named {name!r}; check the name with `surgery inspect`")
+        if value.dtype is None:
+            value.dtype = dtype
+        model.graph.outputs.append(value)
+        present.add(name)
+    return model
+
+
+def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in graph:
+        yield from node.outputs
+
+
+HISTORY_KEY = "surgery.history"
+
+
+def history(model: ir.Model) -> list[dict]:
+    """The surgery recorded in the model's metadata_props, oldest first."""
+    raw = model.metadata_props.get(HISTORY_KEY)
+    if not raw:
+        return []
+    try:
+        entries = json.loads(raw)
+    except json.JSONDecodeError:
+        raise SurgeryError(f"metadata {HISTORY_KEY!r} is not valid JSON; the model was edited by another tool") from None
+    return entries if isinstance(entries, list) else [entries]
