@@ -133,6 +133,14 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
     return blocks
 
 
+def branch_nodes(model: ir.Model, block: BlockMap, branch: str) -> set[ir.Node]:
+    """Nodes computing the block's `attn_out` or `mlp_out` (its ln included), back to the stream values it reads."""
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    values.update((v.name, v) for v in model.graph.inputs)
+    stop = {values[name] for name in (block.resid_pre, block.resid_mid) if name is not None}
+    return _branch_nodes(values[block.mlp_out if branch == "mlp" else block.attn_out], stop)
+
+
 def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) -> BlockMap:
     ln_kinds = sorted(set(norms[pre]))
     mlp_nodes = _branch_nodes(mlp, stream)
@@ -255,9 +263,10 @@ def _sum_terms(value: ir.Value, stream: set[ir.Value], is_const: _ConstantTest, 
     Exporters may let the residual Add read an identity Cast that a normalisation also reads; the
     stream value is the Cast's input.
     """
-    if not top and _strip_casts(value) in stream:
-        return [_strip_casts(value)]
-    node = value.producer()
+    stripped = _strip_casts(value)
+    if not top and stripped in stream:
+        return [stripped]
+    node = stripped.producer()
     if node is None or node.op_type != "Add" or len(node.inputs) != 2 or any(is_const(x) for x in node.inputs):
         return [value]
     return [t for operand in node.inputs for t in _sum_terms(operand, stream, is_const)]

@@ -113,9 +113,60 @@ def inspect(
     out.print(table)
 
 
+@_command
+def parallelize(
+    model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).")],
+    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.")] = "all",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.")] = False,
+) -> None:
+    """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""
+    from surgery.passes import parallelize as run
+
+    _rewrite(model, out_path, layers, as_json, lambda m, chosen: run(m, chosen))
+
+
+@_command
+def ablate(
+    model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).")],
+    branch: Annotated[str, typer.Option(help="`mlp` or `attn`: whose output the residual add receives in part.")] = "mlp",
+    mode: Annotated[str, typer.Option(help="`tangential`, `radial`, `remove` or `scale` (with --scale).")] = "tangential",
+    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.")] = "all",
+    scale: Annotated[Optional[float], typer.Option(help="Factor for --mode scale.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.")] = False,
+) -> None:
+    """Keep only the tangential or radial part of a branch's output, remove it, or scale it."""
+    from surgery.passes import project
+
+    _rewrite(model, out_path, layers, as_json, lambda m, chosen: project(m, branch, mode, chosen, scale))
+
+
+def _rewrite(model_path: Path, out_path: Path, layers: str, as_json: bool, apply) -> None:
+    from surgery import graph
+    from surgery.blocks import find_blocks
+    from surgery.layers import parse_layers
+
+    model = graph.load(model_path)
+    chosen = parse_layers(layers, len(find_blocks(model, where=str(model_path))))
+    result = apply(model, chosen)
+    written = graph.write(result.model, out_path, like=model_path)
+    if as_json:
+        changes = [{"layer": c.layer, "change": c.what, "applied": c.applied} for c in result.changes]
+        print(json.dumps({"out": str(written), "changes": changes}, indent=2))
+        return
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("layer", justify="right")
+    table.add_column("change")
+    for c in result.changes:
+        table.add_row(str(c.layer), c.what if c.applied else f"[dim]{escape(c.what)}[/]")
+    out.print(table)
+    out.print(f"{len(result.changed_layers)} of {len(result.changes)} selected blocks changed -> {written}", highlight=False)
+
+
 def _history_line(entry: dict) -> str:
     layers = entry.get("layers")
-    options = entry.get("options") or {}
+    options = {k: v for k, v in (entry.get("options") or {}).items() if v is not None}
     extra = " ".join(f"{k}={v}" for k, v in options.items())
     return f"{entry.get('pass', '?')} layers={layers} {extra}".strip()
 

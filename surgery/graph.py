@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -60,6 +62,87 @@ def size_on_disk(model: ir.Model, path: str | Path) -> int:
     return file.stat().st_size + sum(f.stat().st_size for f in external_data_files(model, file) if f.exists())
 
 
+def save(model: ir.Model, dest: str | Path) -> None:
+    """Write `model` to `dest` atomically. External data it references is copied beside `dest`
+    byte for byte (the kernel copies; weights are never read into this process)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for src, location in _external_sources(model):
+        target = dest.parent / location
+        if target.exists() and target.resolve() == src.resolve():
+            continue  # written next to its own data, which is unchanged
+        partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+        shutil.copyfile(src, partial)
+        os.replace(partial, target)
+    partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    try:
+        if _inline_bytes(model) > _INLINE_LIMIT:  # a protobuf cannot hold 2 GB
+            ir.save(model, partial, external_data=f"{dest.name}.data")
+            os.replace(partial.with_name(f"{dest.name}.data"), dest.with_name(f"{dest.name}.data"))
+        else:
+            ir.save(model, partial)
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write(model: ir.Model, out: str | Path, like: str | Path) -> Path:
+    """Write a rewritten model the way its input `like` was given: a folder in gives a folder out
+    (model.onnx plus the input folder's config and tokenizer files), a file in gives a file out.
+    Never writes over the input; the output appears complete or not at all. Returns the .onnx path."""
+    like, out = Path(like), Path(out)
+    source = resolve(like)
+    if out.resolve() in (source.resolve(), like.resolve()) or (like.is_dir() and source.resolve().is_relative_to(out.resolve())):
+        raise SurgeryError(f"-o {out} would overwrite the input {like}; choose another output path")
+    if not like.is_dir():
+        if out.is_dir():
+            raise SurgeryError(f"-o {out} is a folder but the input is a file; pass a file name like {out / source.name}")
+        save(model, out)
+        return out
+    if out.exists() and not out.is_dir():
+        raise SurgeryError(f"-o {out} is a file but the input is a folder; pass a folder path")
+    skip = {source.name} | {p.name for p in external_data_files(model, source)}
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        for item in like.iterdir():
+            if item.is_file() and item.name not in skip and item.suffix not in (".onnx", ".onnx_data", ".data"):
+                shutil.copy2(item, partial / item.name)
+        save(model, partial / MODEL_FILE)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old)
+        else:
+            partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out / MODEL_FILE
+
+
+_INLINE_LIMIT = 1 << 30
+
+
+def _external_sources(model: ir.Model) -> list[tuple[Path, str]]:
+    """(file on disk, location relative to the model) of every external data file the model reads."""
+    found = {}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            found[tensor.location] = Path(tensor.base_dir) / tensor.location
+    return [(src, location) for location, src in sorted(found.items())]
+
+
+def _inline_bytes(model: ir.Model) -> int:
+    return sum(
+        v.const_value.nbytes
+        for v in model.graph.initializers.values()
+        if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor)
+    )
+
+
 def stream_dtype(model: ir.Model) -> ir.DataType:
     """The float type of the residual stream: that of the token embedding table."""
     for node in model.graph:
@@ -73,7 +156,7 @@ def stream_dtype(model: ir.Model) -> ir.DataType:
 def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
     """Return a copy of `model` that also outputs the named values (weights shared, not copied)."""
     model = model.clone()
-    values = {v.name: v for v in _all_values(model.graph)}
+    values = {v.name: v for v in all_values(model.graph)}
     dtype = stream_dtype(model)
     present = {v.name for v in model.graph.outputs}
     for name in names:
@@ -89,7 +172,7 @@ def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
     return model
 
 
-def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
+def all_values(graph: ir.Graph) -> Iterable[ir.Value]:
     yield from graph.inputs
     yield from graph.initializers.values()
     for node in graph:

@@ -64,3 +64,68 @@ def assert_close_to_scale(got: np.ndarray, expected: np.ndarray, tol: float, wha
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
     err = float(np.abs(got - expected).max()) / max(float(np.abs(expected).max()), 1e-30)
     assert err <= tol, f"{what}: max error {err:.2e} of the tensor's scale (tolerance {tol:.0e})"
+
+
+def edit(out: torch.Tensor, ref: torch.Tensor, mode: str, scale: float | None = None) -> torch.Tensor:
+    """The part of a branch output `out` kept by `mode`, relative to the direction of `ref` (per token)."""
+    if mode == "remove":
+        return out * 0
+    if mode == "scale":
+        return out * scale
+    d = ref / ref.norm(dim=-1, keepdim=True)
+    radial = (out * d).sum(-1, keepdim=True) * d
+    return radial if mode == "radial" else out - radial
+
+
+class Edits:
+    """Forward hooks that make the HF model compute what a rewritten graph computes.
+
+    parallel: blocks whose ln2 reads resid_pre. branch_edits: (branch, mode, layers, scale) applied
+    in order, the mlp relative to ln2's input, attention relative to resid_pre.
+    """
+
+    def __init__(self, model, parallel=(), branch_edits=()):
+        self.model, self.parallel, self.branch_edits = model, set(parallel), list(branch_edits)
+        self.handles = []
+
+    def __enter__(self):
+        blocks_path, attn_name, mlp_name, ln2_name = LAYOUT[self.model.config.model_type]
+        for layer, block in enumerate(self.model.get_submodule(blocks_path)):
+            state = {}
+
+            def save_pre(module, args, kwargs, state=state):
+                state["pre"] = args[0] if args else kwargs["hidden_states"]
+
+            def ln2_in(module, args, state=state, layer=layer):
+                if layer in self.parallel:
+                    args = (state["pre"],) + tuple(args[1:])
+                state["ln2_in"] = args[0]
+                return args
+
+            def branch_hook(kind, layer=layer, state=state):
+                def hook(module, args, output):
+                    first = output[0] if isinstance(output, tuple) else output
+                    for branch, mode, layers, scale in self.branch_edits:
+                        if branch == kind and layer in layers:
+                            ref = state["ln2_in"] if kind == "mlp" else state["pre"]
+                            first = edit(first, ref, mode, scale)
+                    return (first,) + tuple(output[1:]) if isinstance(output, tuple) else first
+
+                return hook
+
+            self.handles += [
+                block.register_forward_pre_hook(save_pre, with_kwargs=True),
+                block.get_submodule(ln2_name).register_forward_pre_hook(ln2_in),
+                block.get_submodule(attn_name).register_forward_hook(branch_hook("attn")),
+                block.get_submodule(mlp_name).register_forward_hook(branch_hook("mlp")),
+            ]
+        return self.model
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def edited_logits(model, input_ids: np.ndarray, parallel=(), branch_edits=()) -> np.ndarray:
+    with Edits(model, parallel, branch_edits), torch.no_grad():
+        return model(input_ids=torch.from_numpy(input_ids), use_cache=False).logits.float().numpy()

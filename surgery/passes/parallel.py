@@ -1,0 +1,75 @@
+"""parallelize: a sequential block's ln2 reads resid_pre, so resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import onnx_ir as ir
+
+from surgery.blocks import branch_nodes, find_blocks
+from surgery.errors import SurgeryError
+from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag, values_by_name
+
+PASS = "parallelize"
+
+
+def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:
+    """Make each selected sequential block parallel: its mlp branch reads resid_pre instead of resid_mid.
+
+    Nothing else changes: the residual adds, attention and the KV cache are untouched. Blocks that
+    are already parallel are reported and left alone.
+    """
+    model = model.clone()  # weights are shared, not copied
+    blocks = find_blocks(model)
+    chosen = check_layers(layers, blocks)
+    values = values_by_name(model)
+    changes = []
+    for block in blocks:
+        if block.layer not in chosen:
+            continue
+        if block.is_parallel:
+            changes.append(Change(block.layer, "already parallel", applied=False))
+            continue
+        mlp = branch_nodes(model, block, "mlp")
+        _redirect(model.graph, mlp, values[block.resid_mid], values[block.resid_pre], block.layer)
+        changes.append(Change(block.layer, "ln2 reads resid_pre"))
+    result = SurgeryResult(model, tuple(changes))
+    if result.changed_layers:
+        record(model, PASS, result.changed_layers, {})
+    return result
+
+
+def _redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value, layer: int) -> None:
+    """Make the branch's nodes read `new` where they read `old`; nodes outside the branch keep `old`.
+
+    A Cast or Identity that the branch shares with the residual add (optimum writes one for
+    RMSNorm) is duplicated, so the residual add still reads `old`.
+    """
+    for node, index in list(old.uses()):
+        if node not in branch:
+            continue
+        shared = any(user not in branch for out in node.outputs for user, _ in out.uses()) or any(
+            out.is_graph_output() for out in node.outputs
+        )
+        if not shared:
+            node.replace_input_with(index, new)
+            tag(node, PASS, layer)
+        elif node.op_type in ("Cast", "Identity") and len(node.outputs) == 1:
+            copy = ir.Node(
+                node.domain,
+                node.op_type,
+                [new],
+                attributes=list(node.attributes.values()),
+                name=node_name(PASS, layer, f"ln2_{node.op_type.lower()}"),
+            )
+            copy.outputs[0].name = node_name(PASS, layer, "ln2_input")
+            graph.insert_after(node, [copy])
+            for user, i in list(node.outputs[0].uses()):
+                if user in branch:
+                    user.replace_input_with(i, copy.outputs[0])
+            tag(copy, PASS, layer)
+        else:
+            raise SurgeryError(
+                f"cannot parallelize block {layer}: node {node.name!r} ({node.op_type}) feeds both ln2 and the "
+                "residual add; report this graph shape"
+            )

@@ -1,0 +1,112 @@
+"""project: the residual add receives a part of a branch's output instead of all of it.
+
+For the mlp, relative to v = resid_mid / |resid_mid| (resid_pre in a parallel block); for attention,
+relative to u = resid_pre / |resid_pre|, per token:
+
+    tangential  B - <d,B> d        radial  <d,B> d        remove  0 * B        scale  a * B
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import onnx_ir as ir
+
+from surgery import graph
+from surgery.blocks import find_blocks
+from surgery.errors import SurgeryError
+from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag, values_by_name
+
+PASS = "project"
+BRANCHES = ("mlp", "attn")
+MODES = ("tangential", "radial", "remove", "scale")
+EDIT_KEY = "surgery.edit"  # on the node that now produces the branch output: what it computes
+
+
+def project(
+    model: ir.Model, branch: str, mode: str, layers: Collection[int], scale: float | None = None
+) -> SurgeryResult:
+    """Replace the selected blocks' `branch` output in the residual add by its `mode` part.
+
+    Idempotent: a block whose branch already went through the same edit is left alone.
+    """
+    label = _check(branch, mode, scale)
+    model = model.clone()  # weights are shared, not copied
+    blocks = find_blocks(model)
+    chosen = check_layers(layers, blocks)
+    values = values_by_name(model)
+    taken = set(values)
+    dtype = graph.stream_dtype(model).numpy()
+    changes = []
+    for block in blocks:
+        if block.layer not in chosen:
+            continue
+        out = values[block.mlp_out if branch == "mlp" else block.attn_out]
+        producer = out.producer()
+        if producer is not None and producer.metadata_props.get(EDIT_KEY) == label:
+            changes.append(Change(block.layer, f"already {label}", applied=False))
+            continue
+        ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
+        prefix = _unique(node_name(PASS, block.layer, f"{branch}_out_{mode}"), taken)
+        nodes, new_out = _edit(out, ref, mode, scale, prefix, dtype)
+        for node in nodes:
+            tag(node, PASS, block.layer)
+        nodes[-1].metadata_props[EDIT_KEY] = label
+        model.graph.insert_after(producer, nodes)
+        for user, index in list(out.uses()):
+            if user.op_type == "Add" and user not in nodes:  # the residual add, not our own nodes
+                user.replace_input_with(index, new_out)
+        changes.append(Change(block.layer, label))
+    result = SurgeryResult(model, tuple(changes))
+    if result.changed_layers:
+        record(model, PASS, result.changed_layers, {"branch": branch, "mode": mode, "scale": scale})
+    return result
+
+
+def _check(branch: str, mode: str, scale: float | None) -> str:
+    if branch not in BRANCHES:
+        raise SurgeryError(f"unknown branch {branch!r}; use one of {', '.join(BRANCHES)}")
+    if mode not in MODES:
+        raise SurgeryError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "scale" and scale is None:
+        raise SurgeryError("mode scale needs a factor; add --scale A")
+    if mode != "scale" and scale is not None:
+        raise SurgeryError(f"--scale only goes with mode scale, not {mode}")
+    return f"{branch} {mode}" + (f"={scale:g}" if mode == "scale" else "")
+
+
+def _edit(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype) -> tuple[list[ir.Node], ir.Value]:
+    """Nodes computing the edited branch output from `out` [batch, pos, d_model] and direction source `ref`."""
+    nodes: list[ir.Node] = []
+
+    def op(op_type, inputs, what, **attributes):
+        node = ir.node(op_type, inputs, attributes=attributes, name=f"{prefix}/{what}")
+        node.outputs[0].name = f"{prefix}/{what}"
+        nodes.append(node)
+        return node.outputs[0]
+
+    def const(what, array):
+        return op("Constant", [], what, value=ir.tensor(np.asarray(array), name=f"{prefix}/{what}"))
+
+    if mode in ("remove", "scale"):
+        factor = const("factor", np.array(0.0 if mode == "remove" else scale, dtype=dtype))
+        result = op("Mul", [out, factor], "scaled")
+    else:
+        axes = const("axes", np.array([-1], dtype=np.int64))
+        dot = op("ReduceSum", [op("Mul", [ref, out], "ref_times_out"), axes], "dot", keepdims=1)  # [batch, pos, 1]
+        norm2 = op("ReduceSum", [op("Mul", [ref, ref], "ref_squared"), axes], "ref_norm2", keepdims=1)
+        tiny = const("tiny", np.array(np.finfo(dtype).tiny, dtype=dtype))
+        coef = op("Div", [dot, op("Max", [norm2, tiny], "ref_norm2_safe")], "coef")  # <d, B> / |ref| along d
+        radial = op("Mul", [coef, ref], "radial")
+        result = radial if mode == "radial" else op("Sub", [out, radial], "tangential")
+    result.name = prefix
+    return nodes, result
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, i = name, 2
+    while any(t == candidate or t.startswith(candidate + "/") for t in taken):
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate

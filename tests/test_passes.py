@@ -1,0 +1,150 @@
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from surgery import graph, runtime
+from surgery.blocks import find_blocks
+from surgery.errors import SurgeryError
+from surgery.passes import MODES, parallelize, project
+
+torch = pytest.importorskip("torch")
+
+FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2"]
+LAYER_SETS = [{1}, {0, 2}, {0, 1, 2}]
+IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
+
+
+class Exported:
+    """A tiny random HF model and its optimum export (KV cache), made once per family."""
+
+    def __init__(self, family, folder, exporter="optimum"):
+        from transformers import AutoModelForCausalLM
+
+        from graphs.make_fixtures import save_tiny
+        from surgery.export import export
+
+        hf = save_tiny(family, folder / "hf", seed=5)
+        past = exporter == "optimum"
+        self.folder = export(str(hf), folder / "onnx", past=past, exporter=exporter).folder
+        self.onnx = graph.load(self.folder)
+        self.torch = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+
+    def reference(self, parallel=(), branch_edits=()):
+        from tests.reference import edited_logits
+
+        return edited_logits(self.torch, IDS, parallel, branch_edits)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    return Exported(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def logits(model: ir.Model, ids=IDS) -> np.ndarray:
+    session = runtime.session(model)
+    return session.run(["logits"], runtime.feeds(session, ids))[0]
+
+
+@pytest.mark.parametrize("layers", LAYER_SETS, ids=str)
+def test_parallelize_matches_the_hooked_hf_model(tiny, layers):
+    result = parallelize(tiny.onnx, layers)
+    np.testing.assert_allclose(logits(result.model), tiny.reference(parallel=layers), rtol=1e-4, atol=1e-4)
+    assert all(find_blocks(result.model)[layer].is_parallel for layer in layers)
+    sequential = not tiny.torch.config.to_dict().get("use_parallel_residual", False)
+    assert result.changed_layers == (tuple(sorted(layers)) if sequential else ())
+    assert [c.what for c in result.changes] == ["ln2 reads resid_pre" if sequential else "already parallel"] * len(layers)
+
+
+@pytest.mark.parametrize("layers", LAYER_SETS, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("branch", ["mlp", "attn"])
+def test_project_matches_the_hooked_hf_model(tiny, branch, mode, layers):
+    scale = 0.5 if mode == "scale" else None
+    result = project(tiny.onnx, branch, mode, layers, scale)
+    expected = tiny.reference(branch_edits=[(branch, mode, layers, scale)])
+    np.testing.assert_allclose(logits(result.model), expected, rtol=1e-4, atol=1e-4)
+    assert result.changed_layers == tuple(sorted(layers))
+
+
+def test_passes_compose_like_hooks(tiny):
+    edits = [("mlp", "tangential", {0, 1, 2}, None), ("attn", "scale", {1}, 0.25)]
+    model = parallelize(tiny.onnx, {0, 2}).model
+    for branch, mode, layers, scale in edits:
+        model = project(model, branch, mode, layers, scale).model
+    np.testing.assert_allclose(logits(model), tiny.reference({0, 2}, edits), rtol=1e-4, atol=1e-4)
+    assert [h["pass"] for h in graph.history(model)] == ["parallelize", "project", "project"][
+        1 if tiny.torch.config.to_dict().get("use_parallel_residual") else 0 :
+    ]
+
+
+def _proto(model: ir.Model) -> bytes:
+    return ir.to_proto(model).SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda m, layers: parallelize(m, layers),
+        lambda m, layers: project(m, "mlp", "tangential", layers),
+        lambda m, layers: project(m, "attn", "scale", layers, 0.5),
+        lambda m, layers: project(m, "mlp", "remove", layers),
+    ],
+    ids=["parallelize", "mlp-tangential", "attn-scale", "mlp-remove"],
+)
+def test_pure_idempotent_and_empty_is_identity(tiny, apply):
+    before = _proto(tiny.onnx)
+    original = logits(tiny.onnx)
+
+    empty = apply(tiny.onnx, set())
+    assert empty.changes == () and graph.history(empty.model) == []
+    np.testing.assert_array_equal(logits(empty.model), original)  # bit-identical
+
+    once = apply(tiny.onnx, {0, 2})
+    twice = apply(once.model, {0, 2})
+    assert twice.changed_layers == ()
+    assert _proto(twice.model) == _proto(once.model)
+    np.testing.assert_array_equal(logits(twice.model), logits(once.model))
+    assert _proto(tiny.onnx) == before  # the input model is untouched
+
+
+def test_new_nodes_are_named_and_tagged(tiny):
+    model = project(tiny.onnx, "mlp", "radial", {1}).model
+    new = [n for n in model.graph if n.name.startswith("surgery/project/blocks.1/")]
+    assert new and all(n.metadata_props["surgery.pass"] == "project" for n in new)
+    assert all(n.metadata_props["surgery.layer"] == "1" for n in new)
+    assert find_blocks(model)[1].mlp_out == "surgery/project/blocks.1/mlp_out_radial"
+    entry = graph.history(model)[-1]
+    assert entry["pass"] == "project" and entry["layers"] == [1] and entry["options"]["mode"] == "radial"
+
+
+def test_dynamo_graphs_take_the_same_passes(tmp_path):
+    tiny = Exported("llama", tmp_path, exporter="dynamo")
+    model = project(parallelize(tiny.onnx, {1}).model, "mlp", "tangential", {0, 2}).model
+    expected = tiny.reference({1}, [("mlp", "tangential", {0, 2}, None)])
+    np.testing.assert_allclose(logits(model), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rewritten_kv_cache_folder_generates_like_the_hooked_model(tmp_path):
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    from tests.reference import Edits
+
+    tiny = Exported("llama", tmp_path)
+    model = project(parallelize(tiny.onnx, {0, 2}).model, "mlp", "tangential", {1}).model
+    out = graph.write(model, tmp_path / "rewritten", like=tiny.folder)
+    prompt = torch.from_numpy(IDS[:1, :5])
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = ORTModelForCausalLM.from_pretrained(out.parent).generate(prompt, **kwargs)
+    with Edits(tiny.torch, {0, 2}, [("mlp", "tangential", {1}, None)]), torch.no_grad():
+        expected = tiny.torch.generate(prompt, **kwargs)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def test_bad_pass_options_are_one_clear_error(fixture_path):
+    model = graph.load(fixture_path("llama"))
+    with pytest.raises(SurgeryError, match="needs a factor"):
+        project(model, "mlp", "scale", {0})
+    with pytest.raises(SurgeryError, match="unknown branch"):
+        project(model, "ffn", "radial", {0})
+    with pytest.raises(SurgeryError, match="out of range"):
+        parallelize(model, {3})
