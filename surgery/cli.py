@@ -117,7 +117,7 @@ def inspect(
 def parallelize(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).")],
-    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.")] = "all",
+    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.")] = False,
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""

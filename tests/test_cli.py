@@ -57,3 +57,56 @@ def test_inspect_bad_input_is_one_line_and_exit_1(tmp_path, fixture_path, case):
     assert result.stderr.startswith("error: ") and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.output and result.stdout == ""
+
+
+def _sha(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_parallelize_folder_in_gives_folder_out(tmp_path, fixture_path):
+    src = fixture_path("llama")
+    before = {p.name: _sha(p) for p in src.iterdir()}
+    out = tmp_path / "par"
+    result = runner.invoke(app, ["parallelize", str(src), "--layers", "0,-1", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(c["layer"], c["applied"]) for c in report["changes"]] == [(0, True), (2, True)]
+    assert {p.name for p in out.iterdir()} == set(before)  # model.onnx + config + tokenizer files
+    assert _sha(out / "tokenizer.json") == before["tokenizer.json"]
+    assert {p.name: _sha(p) for p in src.iterdir()} == before  # input untouched
+
+    facts = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    assert [b["form"] for b in facts["blocks"]] == ["parallel", "sequential", "parallel"]
+    assert facts["history"][0]["pass"] == "parallelize" and facts["history"][0]["layers"] == [0, 2]
+    shown = runner.invoke(app, ["inspect", str(out)]).stdout
+    assert "parallelize layers=[0, 2]" in shown
+
+
+def test_ablate_file_in_gives_file_out(tmp_path, fixture_path):
+    src = fixture_path("gpt2") / "model.onnx"
+    out = tmp_path / "ablated.onnx"
+    result = runner.invoke(app, ["ablate", str(src), "--branch", "attn", "--mode", "scale", "--scale", "0.5", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "attn scale=0.5" in result.stdout and "3 of 3 selected blocks changed" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ablated.onnx"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["parallelize", "{src}", "--layers", "all", "-o", "{src}"], "would overwrite the input"),
+        (["parallelize", "{src}", "--layers", "7", "-o", "{out}"], "layer 7 in --layers '7' is out of range"),
+        (["parallelize", "{src}", "--layers", "first", "-o", "{out}"], "cannot read --layers 'first'"),
+        (["ablate", "{src}", "--mode", "scale", "-o", "{out}"], "needs a factor; add --scale"),
+        (["ablate", "{src}", "--mode", "sideways", "-o", "{out}"], "unknown mode 'sideways'"),
+    ],
+)
+def test_rewrite_errors_write_nothing(tmp_path, fixture_path, args, message):
+    src = fixture_path("llama")
+    out = tmp_path / "out"
+    result = runner.invoke(app, [a.format(src=src, out=out) for a in args])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
