@@ -164,6 +164,98 @@ def _rewrite(model_path: Path, out_path: Path, layers: str, as_json: bool, apply
     out.print(f"{len(result.changed_layers)} of {len(result.changes)} selected blocks changed -> {written}", highlight=False)
 
 
+@_command
+def evaluate(
+    models: Annotated[list[Path], typer.Argument(help="ONNX files or folders; the first is the baseline for dNLL and ratios.")],
+    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl (`text` field) file; the built-in pydoc topics when unset.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window (BOS included) and per latency prefill.")] = 256,
+    stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts; seq-len when unset.")] = None,
+    max_windows: Annotated[Optional[int], typer.Option(help="Score at most this many windows.")] = 16,
+    part: Annotated[str, typer.Option(help="Corpus part: `evaluation` (default), `calibration` or `all`.")] = "evaluation",
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass when scoring.")] = 1,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the first model.")] = None,
+    latency: Annotated[bool, typer.Option("--latency/--no-latency", help="Also time prefill and decode.")] = True,
+    latency_batch: Annotated[int, typer.Option(help="Sequences per latency run.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed runs per graph, interleaved across graphs.")] = 20,
+    warmup: Annotated[int, typer.Option(help="Untimed runs per graph first.")] = 3,
+    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
+    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Perplexity and latency of one or more graphs on ONNX Runtime, side by side with the first."""
+    import dataclasses
+
+    from rich.progress import Progress
+
+    from surgery import data as corpus
+    from surgery import evaluate as ev
+    from surgery import graph, runtime
+
+    for model in models:
+        graph.resolve(model)
+    limit = ev.position_limit(models[0])
+    needed = seq_len + 1 if latency else seq_len
+    if limit is not None and needed > limit:
+        raise SurgeryError(
+            f"--seq-len {seq_len} is beyond the model's position limit {limit} (config.json"
+            f"{'; decode needs seq-len + 1' if latency else ''}); choose --seq-len {limit - 1 if latency else limit} or less"
+        )
+    windows = corpus.windows(
+        models[0], data, seq_len=seq_len, stride=stride, max_windows=max_windows, part=part, tokenizer=tokenizer
+    )
+    options = runtime.Options(threads=threads, device=device)
+    names = _short_names(models)
+    scores, timings = [], []
+    with Progress(console=err, transient=True) as bar:
+        for name, model in zip(names, models):
+            task = bar.add_task(f"perplexity {name}", total=len(windows))
+            scores.append(ev.perplexity(model, windows, batch_size=batch_size, options=options, progress=lambda n, t=task: bar.advance(t, n)))
+        if latency:
+            task = bar.add_task("latency (interleaved)", total=repeats)
+            timings = ev.latency(
+                models, batch=latency_batch, seq_len=seq_len, repeats=repeats, warmup=warmup, options=options,
+                progress=lambda n: bar.advance(task, n),
+            )
+    base = scores[0].loss
+    rows = []
+    for i, (name, score) in enumerate(zip(names, scores)):
+        row = {"model": str(models[i]), "name": name, **dataclasses.asdict(score), "dnll": score.loss - base}
+        if timings:
+            t, t0 = timings[i], timings[0]
+            row.update(dataclasses.asdict(t))
+            row["prefill_ratio"] = t0.prefill_ms / t.prefill_ms
+            row["decode_ratio"] = t0.decode_ms / t.decode_ms if t.decode_ms and t0.decode_ms else None
+        rows.append(row)
+    if as_json:
+        print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
+        return
+    table = Table(show_edge=False, pad_edge=False, title=f"{windows.name}: {len(windows)} windows x {seq_len} tokens, {windows.tokens} scored", title_justify="left")
+    for column in ("model", "loss", "ppl", "dNLL"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    if timings:
+        provider = timings[0].provider.replace("ExecutionProvider", "")
+        for column in (f"prefill ms ({provider})", "decode ms/tok", "prefill x", "decode x"):
+            table.add_column(column, justify="right")
+    for row in rows:
+        cells = [row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}"]
+        if timings:
+            cells += [
+                f"{row['prefill_ms']:.2f}",
+                "-" if row["decode_ms"] is None else f"{row['decode_ms']:.2f}",
+                f"{row['prefill_ratio']:.3f}",
+                "-" if row["decode_ratio"] is None else f"{row['decode_ratio']:.3f}",
+            ]
+        table.add_row(*cells)
+    out.print(table)
+    if timings:
+        out.print(f"x = first model's median time / this model's ({repeats} interleaved repeats, batch {latency_batch}); > 1 is faster", highlight=False)
+
+
+def _short_names(paths: list[Path]) -> list[str]:
+    names = [p.name if p.name != "model.onnx" else p.parent.name for p in paths]
+    return names if len(set(names)) == len(names) else [str(p) for p in paths]
+
+
 def _history_line(entry: dict) -> str:
     layers = entry.get("layers")
     options = {k: v for k, v in (entry.get("options") or {}).items() if v is not None}

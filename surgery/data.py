@@ -1,6 +1,49 @@
-"""Corpora -> text. The embedded default corpus is Python's own documentation topics."""
+"""Corpora -> token windows: the embedded default corpus, a text file, or a jsonl file with a `text` field.
+
+The corpus is tokenized once (documents joined by a blank line) into one token stream, which is
+split in two contiguous, disjoint parts: calibration (the first `calibration` fraction of tokens:
+defect scores, alpha_l, layer selection) and evaluation (the rest: reported loss). Each part is cut
+into windows of seq_len tokens; when the tokenizer's own post-processor prepends BOS, every window
+starts with it. With stride < seq_len, windows overlap and only the last `stride` targets of a
+window (all of the first window's) are scored, so every token is scored once.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from surgery import graph
+from surgery.errors import SurgeryError
+
+DEFAULT_CORPUS = "pydoc"  # the name --data takes for the embedded default
+PARTS = ("evaluation", "calibration", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """Token windows to score. Target t of window w is ids[w, t + 1], predicted at position t."""
+
+    ids: np.ndarray  # [n_windows, seq_len] int64
+    score_from: np.ndarray  # [n_windows]: first target index that counts (earlier ones were scored before)
+    starts: np.ndarray  # [n_windows]: offset of each window's first non-BOS token in the corpus token stream
+    name: str
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.ids.shape[1])
+
+    @property
+    def tokens(self) -> int:
+        """Number of scored targets."""
+        return int(sum(self.seq_len - 1 - int(s) for s in self.score_from))
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
 
 
 def default_corpus() -> str:
@@ -8,3 +51,116 @@ def default_corpus() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def read_texts(data: str | Path | None) -> tuple[list[str], str]:
+    """Documents of a corpus and its display name: None / `pydoc` is the default, else a .txt or .jsonl file."""
+    if data is None or str(data) == DEFAULT_CORPUS:
+        return [default_corpus()], "pydoc_data.topics"
+    path = Path(data)
+    if not path.is_file():
+        raise SurgeryError(f"data file {path} does not exist; pass a .txt or .jsonl file, or leave --data out for the default corpus")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as e:
+        raise SurgeryError(f"cannot read {path} as UTF-8 text ({type(e).__name__}); pass a .txt or .jsonl file") from None
+    if path.suffix.lower() != ".jsonl":
+        return [text], path.name
+    texts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise SurgeryError(f"{path} line {number} is not JSON; each line of a .jsonl file must be an object with a `text` field") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise SurgeryError(f"{path} line {number} has no string `text` field; each line needs one")
+        texts.append(record["text"])
+    return texts, path.name
+
+
+def load_tokenizer(model: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
+    """The tokenizer.json given, or the one in the model's folder (beside a bare .onnx file)."""
+    if tokenizer is not None:
+        path = Path(tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+    else:
+        path = graph.resolve(model).parent / "tokenizer.json"
+    if not path.is_file():
+        raise SurgeryError(
+            f"found no tokenizer at {path}; pass a folder from `surgery export` or --tokenizer PATH/tokenizer.json"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise SurgeryError(f"cannot read tokenizer {path} ({str(e).splitlines()[0]}); re-export the model") from None
+
+
+def bos_prefix(tokenizer: Tokenizer) -> list[int]:
+    """Ids the tokenizer's post-processor puts before a single sequence (BOS for Llama-style tokenizers)."""
+    plain = tokenizer.encode("surgery", add_special_tokens=False).ids
+    full = tokenizer.encode("surgery").ids
+    if plain and full[-len(plain) :] == plain:
+        return full[: len(full) - len(plain)]
+    return []
+
+
+def token_stream(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
+    """All documents as one stream of ids, without special tokens."""
+    encodings = tokenizer.encode_batch(["\n\n".join(texts)], add_special_tokens=False)
+    return np.asarray(encodings[0].ids, dtype=np.int64)
+
+
+def make_windows(
+    stream: np.ndarray, seq_len: int, stride: int | None, prefix: list[int], name: str, offset: int = 0
+) -> Windows:
+    """Cut a token stream into windows of seq_len ids: prefix + body; consecutive bodies start `stride` apart."""
+    body = seq_len - len(prefix)
+    stride = body if stride is None else stride
+    if body < 2:
+        raise SurgeryError(f"--seq-len {seq_len} leaves no room to predict a token; use at least {len(prefix) + 2}")
+    if not 0 < stride <= body:
+        raise SurgeryError(f"--stride {stride} must be between 1 and --seq-len ({body} without BOS)")
+    starts = list(range(0, max(len(stream) - body, -1) + 1, stride))
+    if len(stream) < body or not starts:
+        raise SurgeryError(
+            f"{name} has {len(stream)} tokens, fewer than one window of --seq-len {seq_len}; "
+            "use a bigger corpus or a smaller --seq-len"
+        )
+    ids = np.stack([np.concatenate([np.asarray(prefix, np.int64), stream[s : s + body]]) for s in starts])
+    # Targets before `score_from` were scored by the previous window; the first window scores all.
+    # Target t predicts ids[t + 1]; body token j sits at position len(prefix) + j.
+    score_from = np.array([0] + [len(prefix) + body - stride - 1 for _ in starts[1:]], dtype=np.int64)
+    score_from = np.maximum(score_from, 0)
+    return Windows(ids, score_from, np.asarray(starts, dtype=np.int64) + offset, name)
+
+
+def windows(
+    model: str | Path,
+    data: str | Path | None = None,
+    *,
+    seq_len: int = 256,
+    stride: int | None = None,
+    max_windows: int | None = None,
+    part: str = "evaluation",
+    calibration: float = 0.25,
+    tokenizer: str | Path | None = None,
+) -> Windows:
+    """Token windows of a corpus for `model`: the `part` (evaluation, calibration or all) of its token stream."""
+    if part not in PARTS:
+        raise SurgeryError(f"unknown part {part!r}; use one of {', '.join(PARTS)}")
+    if not 0 < calibration < 1:
+        raise SurgeryError(f"calibration fraction {calibration} must be between 0 and 1")
+    tok = load_tokenizer(model, tokenizer)
+    texts, name = read_texts(data)
+    stream = token_stream(texts, tok)
+    if len(stream) == 0:
+        raise SurgeryError(f"{name} has no text; pass a corpus with some")
+    cut = int(len(stream) * calibration)
+    lo, hi = {"evaluation": (cut, len(stream)), "calibration": (0, cut), "all": (0, len(stream))}[part]
+    result = make_windows(stream[lo:hi], seq_len, stride, bos_prefix(tok), f"{name} ({part} part)", offset=lo)
+    if max_windows is not None and max_windows < len(result):
+        n = max_windows
+        result = Windows(result.ids[:n], result.score_from[:n], result.starts[:n], result.name)
+    return result

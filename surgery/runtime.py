@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -13,74 +14,158 @@ from surgery import graph
 from surgery.errors import SurgeryError
 
 _FATAL_ONLY = 4  # ORT log severity: keep provider-loading errors off a CPU machine's terminal
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+OPTIMIZATION = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Session options; every graph compared in one measurement gets the same."""
+
+    threads: int | None = None  # intra-op threads; None lets ORT pick (all cores)
+    inter_threads: int | None = None  # for execution="parallel": branches run concurrently
+    optimization: str = "all"
+    execution: str = "sequential"  # or "parallel": independent nodes (attention and mlp) run at once
+    device: str = "auto"  # "auto" (CUDA when usable), "cuda" or "cpu"
 
 
 @functools.cache
-def providers() -> tuple[str, ...]:
-    """Execution providers to use: CUDA first when a session can really run on it, then CPU."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return ("CPUExecutionProvider",)
-    probe = ir.Model(
-        ir.Graph(
-            inputs=[x := ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1]))],
-            outputs=[y := ir.Value(name="y", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1]))],
-            nodes=[ir.Node("", "Identity", [x], outputs=[y])],
-            opset_imports={"": 17},
-        ),
-        ir_version=8,
-    )
+def cuda_usable() -> bool:
+    """True when a session can really run on CUDA; checked quietly, so a CPU machine prints nothing."""
+    if CUDA not in ort.get_available_providers():
+        return False
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1]))
+    node = ir.node("Identity", [x])
+    node.outputs[0].name, node.outputs[0].dtype, node.outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape([1])
+    probe = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 17}), ir_version=8)
     ort.set_default_logger_severity(_FATAL_ONLY)
     try:
         options = ort.SessionOptions()
         options.log_severity_level = _FATAL_ONLY
-        probe_session = ort.InferenceSession(
-            ir.to_proto(probe).SerializeToString(), options, providers=["CUDAExecutionProvider"]
-        )
-        usable = probe_session.get_providers()[0] == "CUDAExecutionProvider"
+        session = ort.InferenceSession(ir.to_proto(probe).SerializeToString(), options, providers=[CUDA])
+        return session.get_providers()[0] == CUDA
     except Exception:  # a broken CUDA install must not stop a CPU run
-        usable = False
+        return False
     finally:
         ort.set_default_logger_severity(2)
-    return ("CUDAExecutionProvider", "CPUExecutionProvider") if usable else ("CPUExecutionProvider",)
 
 
-def session(model: ir.Model | str | Path, *, threads: int | None = None) -> ort.InferenceSession:
+def providers(device: str = "auto") -> tuple[str, ...]:
+    """Execution providers for `device`: CUDA first when asked for (or usable, for auto), then CPU."""
+    if device == "cpu" or (device == "auto" and not cuda_usable()):
+        return (CPU,)
+    if device == "cuda" and not cuda_usable():
+        raise SurgeryError("--device cuda was asked for but CUDA is not usable here; use --device cpu or auto")
+    return (CUDA, CPU)
+
+
+def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.InferenceSession:
     """Make an inference session for a model in memory or on disk."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
+    if options.optimization not in OPTIMIZATION:
+        raise SurgeryError(f"unknown optimization level {options.optimization!r}; use one of {', '.join(OPTIMIZATION)}")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = OPTIMIZATION[options.optimization]
+    if options.threads:
+        so.intra_op_num_threads = options.threads
+    if options.execution == "parallel":
+        so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        if options.inter_threads:
+            so.inter_op_num_threads = options.inter_threads
+    elif options.execution != "sequential":
+        raise SurgeryError(f"unknown execution mode {options.execution!r}; use sequential or parallel")
     if isinstance(model, ir.Model):
         base = _external_data_folder(model)
         if base is not None:
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base))
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base))
         source = ir.to_proto(model).SerializeToString()
     else:
         source = str(graph.resolve(model))
-    return ort.InferenceSession(source, options, providers=list(providers()))
+    return ort.InferenceSession(source, so, providers=list(providers(options.device)))
 
 
-def feeds(sess: ort.InferenceSession, input_ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Inputs for a full-sequence forward pass: mask of ones, positions 0..n-1, an empty KV cache."""
+def on_cuda(sess: ort.InferenceSession) -> bool:
+    return sess.get_providers()[0] == CUDA
+
+
+def feeds(
+    sess: ort.InferenceSession,
+    input_ids: np.ndarray,
+    past: dict[str, np.ndarray] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """Inputs for one forward pass of `input_ids` after an optional KV cache (`past`, by input name).
+
+    Without `past` the cache is empty; the mask is all ones and positions continue after the cache.
+    `extra` feeds inputs that surgery added itself (such as the scoring graph's targets).
+    """
+    extra = extra or {}
     batch, length = input_ids.shape
+    past_len = 0 if not past else next(iter(past.values())).shape[2]
     out: dict[str, np.ndarray] = {}
     for arg in sess.get_inputs():
-        if arg.name == "input_ids":
+        if arg.name in extra:
+            out[arg.name] = extra[arg.name]
+        elif arg.name == "input_ids":
             out[arg.name] = input_ids.astype(np.int64)
         elif arg.name == "attention_mask":
-            out[arg.name] = np.ones((batch, length), dtype=np.int64)
+            out[arg.name] = np.ones((batch, past_len + length), dtype=np.int64)
         elif arg.name == "position_ids":
-            out[arg.name] = np.broadcast_to(np.arange(length, dtype=np.int64), (batch, length)).copy()
+            positions = np.arange(past_len, past_len + length, dtype=np.int64)
+            out[arg.name] = np.broadcast_to(positions, (batch, length)).copy()
         elif arg.name.startswith("past_key_values"):
-            heads, head_dim = arg.shape[1], arg.shape[3]
-            dtype = np.float16 if "float16" in arg.type else np.float32
-            out[arg.name] = np.zeros((batch, heads, 0, head_dim), dtype=dtype)
+            if past:
+                out[arg.name] = past[arg.name]
+            else:
+                heads, head_dim = arg.shape[1], arg.shape[3]
+                dtype = np.float16 if "float16" in arg.type else np.float32
+                out[arg.name] = np.zeros((batch, heads, 0, head_dim), dtype=dtype)
         else:
             raise SurgeryError(
                 f"graph input {arg.name!r} is not one surgery can feed (input_ids, attention_mask, position_ids, "
                 "past_key_values.*); export the model with `surgery export`"
             )
     return out
+
+
+def has_kv_cache(sess: ort.InferenceSession) -> bool:
+    return any(arg.name.startswith("past_key_values") for arg in sess.get_inputs())
+
+
+def present_as_past(sess: ort.InferenceSession, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Map a run's present.N.key/value outputs to the past_key_values.N.key/value inputs of the next run."""
+    names = [o.name for o in sess.get_outputs()]
+    return {
+        name.replace("present", "past_key_values", 1): value
+        for name, value in zip(names, outputs)
+        if name.startswith("present")
+    }
+
+
+class Prepared:
+    """A run with its inputs already placed where the session runs (IO binding on CUDA); call it to run."""
+
+    def __init__(self, sess: ort.InferenceSession, inputs: dict[str, np.ndarray]):
+        self.sess, self.inputs = sess, inputs
+        self.binding = None
+        if on_cuda(sess):
+            self.binding = sess.io_binding()
+            for name, array in inputs.items():
+                self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+            for out in sess.get_outputs():
+                self.binding.bind_output(out.name, "cuda", 0)
+
+    def __call__(self) -> None:
+        if self.binding is None:
+            self.sess.run(None, self.inputs)
+        else:
+            self.sess.run_with_iobinding(self.binding)
+            self.binding.synchronize_outputs()
 
 
 def _external_data_folder(model: ir.Model) -> Path | None:

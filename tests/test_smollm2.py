@@ -81,3 +81,22 @@ def test_passes_match_the_hooked_torch_model(smollm2):
         session = runtime.session(rewritten)
         got = session.run(["logits"], runtime.feeds(session, ids))[0]
         np.testing.assert_allclose(got, edited_logits(reference, ids, parallel, edits), rtol=1e-3, atol=1e-3)
+
+
+def test_loss_equals_the_torch_model(smollm2):
+    """ORT loss on default-corpus windows equals the HF torch model's loss on the same windows to 1e-3 nats."""
+    from transformers import AutoModelForCausalLM
+
+    from surgery import data, evaluate
+    from surgery.export import resolve_source
+
+    windows = data.windows(smollm2, seq_len=256, max_windows=4)
+    got = evaluate.perplexity(smollm2, windows, batch_size=2)
+    src = resolve_source("smollm2-135m")
+    reference = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file).eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(windows.ids)).logits.double()
+    targets = torch.from_numpy(windows.ids[:, 1:]).reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets)
+    assert got.tokens == targets.numel()
+    assert abs(got.loss - float(expected)) < 1e-3

@@ -1,0 +1,27 @@
+"""Shared by the benchmark scripts: the exported SmolLM2-135M, made once under out/."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMOLLM2 = ROOT / "out" / "smollm2"
+
+
+def smollm2() -> Path:
+    """The optimum export of SmolLM2-135M (KV cache), exported on first use."""
+    if not (SMOLLM2 / "model.onnx").is_file():
+        from surgery.export import export
+
+        export("smollm2-135m", SMOLLM2)
+    return SMOLLM2
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of `rows` (already formatted strings)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""perplexity() and latency() of ONNX graphs on ONNX Runtime -> dataclasses. Never prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from surgery import graph, runtime
+from surgery.data import Windows
+from surgery.errors import SurgeryError
+
+TARGETS, NLL = "surgery_targets", "surgery_nll"
+Progress = Callable[[int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Perplexity:
+    loss: float  # token-weighted mean NLL, nats
+    perplexity: float
+    tokens: int
+    windows: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Latency:
+    """Median and p90 wall times of one graph, from runs interleaved with the other graphs compared."""
+
+    prefill_ms: float  # one forward pass of batch x seq_len tokens, empty KV cache
+    prefill_p90_ms: float
+    decode_ms: float | None  # one new token per sequence after a KV cache of seq_len; None without a cache
+    decode_p90_ms: float | None
+    batch: int
+    seq_len: int
+    repeats: int
+    provider: str
+
+
+def scoring_model(model: ir.Model) -> ir.Model:
+    """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs only `surgery_nll` [batch, seq]:
+    -log softmax(logits)[target], so only one number per token leaves the session."""
+    model = model.clone()
+    g = model.graph
+    logits = next((v for v in g.outputs if v.name == "logits"), None)
+    if logits is None:
+        names = ", ".join(v.name for v in g.outputs)
+        raise SurgeryError(f"the graph has no `logits` output (it has {names}); evaluate needs a causal LM from `surgery export`")
+    targets = ir.Value(name=TARGETS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch_size", "sequence_length"]))
+    axis = ir.Value(name="surgery/evaluate/last_axis", const_value=ir.tensor(np.array([-1], np.int64), name="surgery/evaluate/last_axis"))
+    g.register_initializer(axis)
+    scores = logits
+    nodes = []
+    if logits.dtype not in (None, ir.DataType.FLOAT):
+        nodes.append(ir.node("Cast", [logits], attributes={"to": ir.DataType.FLOAT}))
+        scores = nodes[-1].outputs[0]
+    nodes.append(ir.node("LogSoftmax", [scores], attributes={"axis": -1}))
+    nodes.append(ir.node("Unsqueeze", [targets, axis]))
+    nodes.append(ir.node("GatherElements", [nodes[-2].outputs[0], nodes[-1].outputs[0]], attributes={"axis": -1}))
+    nodes.append(ir.node("Squeeze", [nodes[-1].outputs[0], axis]))
+    nodes.append(ir.node("Neg", [nodes[-1].outputs[0]]))
+    for i, node in enumerate(nodes):
+        node.name = node.outputs[0].name = f"surgery/evaluate/{i}_{node.op_type}"
+    nll = nodes[-1].outputs[0]
+    nll.name, nll.dtype, nll.shape = NLL, ir.DataType.FLOAT, ir.Shape(["batch_size", "sequence_length"])
+    g.extend(nodes)
+    g.inputs.append(targets)
+    g.outputs.clear()
+    g.outputs.append(nll)
+    RemoveUnusedNodesPass()(model)  # drops the KV cache outputs' own nodes
+    return model
+
+
+def perplexity(
+    model: ir.Model | str | Path,
+    windows: Windows,
+    *,
+    batch_size: int = 1,
+    options: runtime.Options = runtime.Options(),
+    progress: Progress | None = None,
+) -> Perplexity:
+    """Token-weighted mean NLL (nats) of `windows` under `model`, computed by ONNX Runtime."""
+    if not isinstance(model, ir.Model):
+        model = graph.load(model)
+    sess = runtime.session(scoring_model(model), options)
+    start = time.perf_counter()
+    total, count = 0.0, 0
+    positions = np.arange(windows.seq_len)
+    for lo in range(0, len(windows), batch_size):
+        ids = windows.ids[lo : lo + batch_size]
+        targets = np.zeros_like(ids)
+        targets[:, :-1] = ids[:, 1:]  # position t predicts token t + 1; the last position predicts nothing
+        (nll,) = sess.run([NLL], runtime.feeds(sess, ids, extra={TARGETS: targets}))
+        scored = (positions[None, :] >= windows.score_from[lo : lo + batch_size, None]) & (positions[None, :] < windows.seq_len - 1)
+        total += float(nll[scored].astype(np.float64).sum())
+        count += int(scored.sum())
+        if progress:
+            progress(len(ids))
+    loss = total / count
+    return Perplexity(loss, math.exp(loss), count, len(windows), time.perf_counter() - start)
+
+
+def latency(
+    models: Sequence[ir.Model | str | Path],
+    *,
+    batch: int = 1,
+    seq_len: int = 256,
+    repeats: int = 20,
+    warmup: int = 3,
+    options: runtime.Options = runtime.Options(),
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> list[Latency]:
+    """Prefill and decode wall times of each model, with the repeats of all models interleaved.
+
+    Each repeat runs every model's prefill, then every model's decode, starting from a different
+    model each time, so drift on the machine falls on all graphs alike. Same session options for all.
+    """
+    sessions = [runtime.session(m, options) for m in models]
+    rng = np.random.default_rng(seed)
+    vocab = _vocab(sessions[0])
+    ids = rng.integers(0, vocab, size=(batch, seq_len))
+    next_ids = rng.integers(0, vocab, size=(batch, 1))
+    prefill, decode = [], []
+    for sess in sessions:
+        inputs = runtime.feeds(sess, ids)
+        prefill.append(runtime.Prepared(sess, inputs))
+        if runtime.has_kv_cache(sess):
+            past = runtime.present_as_past(sess, sess.run(None, inputs))
+            decode.append(runtime.Prepared(sess, runtime.feeds(sess, next_ids, past)))
+        else:
+            decode.append(None)
+    for run in prefill + [d for d in decode if d is not None]:
+        for _ in range(warmup):
+            run()
+    times = {kind: [[] for _ in sessions] for kind in ("prefill", "decode")}
+    n = len(sessions)
+    for r in range(repeats):
+        order = [(r + i) % n for i in range(n)]
+        for kind, runs in (("prefill", prefill), ("decode", decode)):
+            for i in order:
+                if runs[i] is None:
+                    continue
+                start = time.perf_counter()
+                runs[i]()
+                times[kind][i].append((time.perf_counter() - start) * 1000)
+        if progress:
+            progress(1)
+    results = []
+    for i, sess in enumerate(sessions):
+        p, d = times["prefill"][i], times["decode"][i]
+        results.append(
+            Latency(
+                prefill_ms=float(np.median(p)),
+                prefill_p90_ms=float(np.percentile(p, 90)),
+                decode_ms=float(np.median(d)) if d else None,
+                decode_p90_ms=float(np.percentile(d, 90)) if d else None,
+                batch=batch,
+                seq_len=seq_len,
+                repeats=repeats,
+                provider=sess.get_providers()[0],
+            )
+        )
+    return results
+
+
+def position_limit(model: str | Path) -> int | None:
+    """The model's position limit from config.json beside it (max_position_embeddings or n_positions)."""
+    config = graph.resolve(model).parent / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    for key in ("max_position_embeddings", "n_positions"):
+        if isinstance(data.get(key), int):
+            return data[key]
+    return None
+
+
+def _vocab(sess) -> int:
+    for out in sess.get_outputs():
+        if out.name == "logits" and isinstance(out.shape[-1], int):
+            return out.shape[-1]
+    raise SurgeryError("the graph has no `logits` output with a fixed vocabulary size; evaluate needs a causal LM from `surgery export`")

@@ -1,0 +1,85 @@
+import json
+
+import numpy as np
+import pytest
+
+from surgery import data
+from surgery.errors import SurgeryError
+
+
+def test_default_corpus_is_pydoc_topics_in_sorted_order():
+    from pydoc_data.topics import topics
+
+    text = data.default_corpus()
+    first, last = sorted(topics)[0], sorted(topics)[-1]
+    assert text.startswith(topics[first]) and text.endswith(topics[last])
+
+
+def test_windows_start_with_the_tokenizers_own_bos(fixture_path):
+    w = data.windows(fixture_path("llama"), seq_len=64, max_windows=5)
+    assert w.ids.shape == (5, 64) and (w.ids[:, 0] == 0).all()  # the fixture tokenizer prepends id 0
+    assert w.tokens == 5 * 63
+
+
+def test_calibration_and_evaluation_windows_are_disjoint(fixture_path):
+    cal = data.windows(fixture_path("llama"), seq_len=32, part="calibration")
+    ev = data.windows(fixture_path("llama"), seq_len=32, part="evaluation")
+    everything = data.windows(fixture_path("llama"), seq_len=32, part="all")
+    assert len(cal) > 0 and len(ev) > 3 * len(cal) - 2
+    body = 31  # tokens per window after BOS
+    assert cal.starts.max() + body <= ev.starts.min()  # no token in both parts
+    assert len(cal) + len(ev) <= len(everything) + 1
+    stream = data.token_stream(*data.read_texts(None)[:1], data.load_tokenizer(fixture_path("llama")))
+    for w in (cal, ev):  # each window holds the corpus tokens from its start
+        for row, start in zip(w.ids[::50], w.starts[::50]):
+            np.testing.assert_array_equal(row[1:], stream[start : start + body])
+
+
+@pytest.mark.parametrize("prefix", [[], [7]])
+@pytest.mark.parametrize("stride", [None, 5, 9, 12])
+def test_every_token_is_scored_once(prefix, stride):
+    stream = np.arange(100, 160)
+    seq_len, body = 12 + len(prefix), 12
+    w = data.make_windows(stream, seq_len=seq_len, stride=stride, prefix=prefix, name="s")
+    scored = []  # stream offsets of scored targets; target t is ids[t + 1]
+    for row, start, first in zip(w.ids, w.starts, w.score_from):
+        for t in range(first, seq_len - 1):
+            offset = start + t + 1 - len(prefix)
+            assert row[t + 1] == stream[offset]
+            scored.append(offset)
+    assert len(scored) == len(set(scored)) == w.tokens  # nothing twice
+    end = w.starts[-1] + body
+    unscored = {0} if not prefix else set()  # the first token has no context without BOS
+    if not prefix and (stride or body) == body:
+        unscored = set(w.starts.tolist())  # windows that do not overlap: each one's first token
+    assert set(scored) == set(range(end)) - unscored
+
+
+def test_jsonl_and_text_files(tmp_path, fixture_path):
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": f"Line number {i} of the corpus."}) for i in range(40)))
+    txt = tmp_path / "c.txt"
+    txt.write_text(" ".join(f"Line number {i} of the corpus." for i in range(40)))
+    for path in (jsonl, txt):
+        w = data.windows(fixture_path("gpt2"), path, seq_len=16, part="all")
+        assert len(w) > 5
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [(b"", "has no text"), (b"\xff\xfe\x00binary", "cannot read"), (b'{"text": "ok"}\nnot json\n', "line 2 is not JSON"),
+     (b'{"body": "x"}\n', "no string `text` field"), (b"too short", "fewer than one window")],
+)
+def test_bad_corpora_are_one_clear_error(tmp_path, fixture_path, content, message):
+    path = tmp_path / ("c.jsonl" if b"{" in content else "c.txt")
+    path.write_bytes(content)
+    with pytest.raises(SurgeryError, match=message):
+        data.windows(fixture_path("llama"), path, seq_len=64)
+
+
+def test_missing_tokenizer_names_the_fix(tmp_path, fixture_path):
+    (tmp_path / "model.onnx").write_bytes((fixture_path("llama") / "model.onnx").read_bytes())
+    with pytest.raises(SurgeryError, match="found no tokenizer .* --tokenizer"):
+        data.windows(tmp_path, seq_len=64)
+    w = data.windows(tmp_path / "model.onnx", seq_len=64, tokenizer=fixture_path("llama"), max_windows=2)
+    assert len(w) == 2

@@ -1,0 +1,122 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from surgery import data, evaluate, graph, runtime
+from surgery.cli import app
+from surgery.passes import project
+
+runner = CliRunner()
+
+
+def _numpy_loss(model_path, windows) -> float:
+    """NLL from the plain graph's logits, with log-softmax in float64 NumPy."""
+    sess = runtime.session(model_path)
+    total, count = 0.0, 0
+    for row, start in zip(windows.ids, windows.score_from):
+        logits = sess.run(["logits"], runtime.feeds(sess, row[None]))[0][0].astype(np.float64)
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+        for t in range(start, len(row) - 1):
+            total -= logp[t, row[t + 1]]
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel"])
+@pytest.mark.parametrize("stride", [None, 20])
+def test_perplexity_equals_numpy_on_the_logits(fixture_path, family, stride):
+    w = data.windows(fixture_path(family), seq_len=48, stride=stride, max_windows=6)
+    got = evaluate.perplexity(fixture_path(family), w, batch_size=4)
+    assert got.tokens == w.tokens and got.windows == 6
+    assert got.loss == pytest.approx(_numpy_loss(fixture_path(family), w), abs=1e-5)
+    assert got.perplexity == pytest.approx(np.exp(got.loss))
+
+
+def test_perplexity_equals_the_hf_torch_model(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from graphs.make_fixtures import save_tiny
+    from surgery.export import export
+
+    hf = save_tiny("qwen2", tmp_path / "hf", seed=2)
+    folder = export(str(hf), tmp_path / "onnx").folder
+    w = data.windows(folder, seq_len=40, max_windows=4)
+    reference = AutoModelForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(w.ids)).logits.double()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), torch.from_numpy(w.ids[:, 1:]).reshape(-1))
+    assert evaluate.perplexity(folder, w).loss == pytest.approx(float(nll), abs=1e-4)
+
+
+def test_decode_with_the_kv_cache_continues_the_prefill(fixture_path):
+    """The decode run that latency() times sees a cache of seq_len and predicts what a full pass predicts."""
+    sess = runtime.session(fixture_path("llama"))
+    ids = np.random.default_rng(0).integers(0, 512, size=(2, 17))
+    prefill = sess.run(None, runtime.feeds(sess, ids[:, :16]))
+    past = runtime.present_as_past(sess, prefill)
+    assert {v.shape[2] for v in past.values()} == {16} and len(past) == 6
+    decode_feed = runtime.feeds(sess, ids[:, 16:], past)
+    assert decode_feed["attention_mask"].shape == (2, 17) and (decode_feed["position_ids"] == 16).all()
+    decoded = sess.run(["logits"], decode_feed)[0][:, -1]
+    full = sess.run(["logits"], runtime.feeds(sess, ids))[0][:, -1]
+    np.testing.assert_allclose(decoded, full, rtol=1e-4, atol=1e-5)
+
+
+def test_latency_reports_every_graph(fixture_path):
+    results = evaluate.latency([fixture_path("llama"), fixture_path("gpt2")], seq_len=32, repeats=3, warmup=1)
+    assert [r.repeats for r in results] == [3, 3]
+    assert all(r.decode_ms is not None and r.prefill_p90_ms >= r.prefill_ms for r in results)
+    assert {r.provider for r in results} == {"CPUExecutionProvider"}
+
+
+def test_evaluate_command_compares_with_the_first_model(tmp_path, fixture_path):
+    src = fixture_path("llama")
+    ablated = tmp_path / "ablated"
+    graph.write(project(graph.load(src), "mlp", "remove", {0, 1, 2}).model, ablated, like=src)
+    args = ["evaluate", str(src), str(ablated), "--seq-len", "32", "--max-windows", "3", "--repeats", "2", "--warmup", "1", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    import json
+
+    report = json.loads(result.stdout)
+    first, second = report["models"]
+    assert first["dnll"] == 0 and first["prefill_ratio"] == 1
+    assert second["dnll"] == pytest.approx(second["loss"] - first["loss"]) and second["dnll"] != 0
+    assert second["decode_ratio"] == pytest.approx(first["decode_ms"] / second["decode_ms"])
+
+
+def test_graph_without_logits_is_one_clear_error(tmp_path, fixture_path):
+    model = graph.load(fixture_path("llama"))
+    model.graph.outputs[0].name = "scores"
+    graph.save(model, tmp_path / "model.onnx")
+    (tmp_path / "tokenizer.json").write_bytes((fixture_path("llama") / "tokenizer.json").read_bytes())
+    result = runner.invoke(app, ["evaluate", str(tmp_path), "--seq-len", "32", "--no-latency"])
+    assert result.exit_code == 1 and "has no `logits` output" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seq-len", "300"], "beyond the model's position limit 256"),
+        (["--seq-len", "32", "--data", "{tmp}/missing.txt"], "does not exist"),
+        (["--seq-len", "32", "--data", "{tmp}/empty.txt"], "has no text"),
+    ],
+)
+def test_evaluate_bad_input(tmp_path, fixture_path, args, message):
+    (tmp_path / "empty.txt").write_text("")
+    result = runner.invoke(app, ["evaluate", str(fixture_path("llama")), *[a.format(tmp=tmp_path) for a in args]])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: ") and message in result.stderr and "Traceback" not in result.output
+
+
+def test_cpu_machine_prints_no_cuda_errors(fixture_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "surgery.cli", "evaluate", str(fixture_path("gpt2")), "--seq-len", "32", "--max-windows", "2", "--repeats", "2"],
+        capture_output=True, text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "CUDA" not in run.stderr and "cuda" not in run.stderr.lower() and "error" not in run.stderr.lower()
