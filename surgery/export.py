@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 from surgery.errors import SurgeryError
@@ -106,15 +107,17 @@ def export(
     torch, transformers = _import_torch()
 
     start = time.perf_counter()
-    model, tokenizer = _load(src, source, transformers, torch)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     try:
-        if exporter == "optimum":
-            _export_optimum(model, partial, past=past, opset=opset, validate=validate)
-        else:
-            _export_dynamo(model, partial, opset=opset, torch=torch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracer and deprecation warnings say nothing actionable to a user
+            model, tokenizer = _load(src, source, transformers, torch)
+            partial.mkdir(parents=True)
+            if exporter == "optimum":
+                _export_optimum(model, partial, past=past, opset=opset, validate=validate)
+            else:
+                _export_dynamo(model, partial, opset=opset, torch=torch)
         model.config.save_pretrained(partial)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(partial)
