@@ -251,6 +251,58 @@ def evaluate(
         out.print(f"x = first model's median time / this model's ({repeats} interleaved repeats, batch {latency_batch}); > 1 is faster", highlight=False)
 
 
+@_command
+def diagnose(
+    model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
+    report_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md, report.html and PNG plots.")],
+    only: Annotated[str, typer.Option(help="Comma-separated subset of deficit,diversity,defect,gate,critical,prefix,ablation.")] = "all",
+    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl file; the built-in pydoc topics when unset.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
+    windows: Annotated[int, typer.Option(help="Calibration windows for the scores.")] = 4,
+    eval_windows: Annotated[int, typer.Option(help="Evaluation windows for the losses (dNLL, ablations).")] = 4,
+    critical_seeds: Annotated[int, typer.Option(help="Data seeds per layer for the critical-point search.")] = 4,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
+    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
+    from rich.progress import Progress
+
+    from surgery import report, runtime
+    from surgery.diagnostics import SECTIONS
+    from surgery.diagnostics import diagnose as run
+
+    sections = SECTIONS if only.strip() == "all" else tuple(s.strip() for s in only.split(",") if s.strip())
+    with Progress(console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def tell(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        result = run(
+            model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections,
+            critical_seeds=critical_seeds, tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell,
+        )
+    folder = report.write(result, report_dir)
+    if as_json:
+        print(json.dumps(report.summary(result), indent=2))
+        return
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("summary")
+    table.add_column("value")
+    for key, value in report.summary(result).items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v if not isinstance(v, dict) else {m: round(x, 4) for m, x in v.items()}}" for k, v in value.items())
+        elif isinstance(value, float):
+            value = f"{value:.4f}"
+        table.add_row(key, escape(str(value)))
+    out.print(table)
+    out.print(f"report -> {folder / 'report.html'}", highlight=False)
+
+
 def _short_names(paths: list[Path]) -> list[str]:
     names = [p.name if p.name != "model.onnx" else p.parent.name for p in paths]
     return names if len(set(names)) == len(names) else [str(p) for p in paths]

@@ -78,6 +78,42 @@ def scoring_model(model: ir.Model) -> ir.Model:
     return model
 
 
+class Scorer:
+    """One session that scores token windows under a model; reuse it for many windows or switch settings."""
+
+    def __init__(self, model: ir.Model | str | Path, options: runtime.Options = runtime.Options()):
+        if not isinstance(model, ir.Model):
+            model = graph.load(model)
+        self.session = runtime.session(scoring_model(model), options)
+
+    def __call__(
+        self,
+        windows: Windows,
+        *,
+        batch_size: int = 1,
+        extra: dict[str, np.ndarray] | None = None,
+        progress: Progress | None = None,
+    ) -> Perplexity:
+        """Token-weighted mean NLL (nats) of `windows`; `extra` feeds inputs a diagnostic graph added."""
+        start = time.perf_counter()
+        total, count = 0.0, 0
+        positions = np.arange(windows.seq_len)
+        for lo in range(0, len(windows), batch_size):
+            ids = windows.ids[lo : lo + batch_size]
+            targets = np.zeros_like(ids)
+            targets[:, :-1] = ids[:, 1:]  # position t predicts token t + 1; the last position predicts nothing
+            feed = runtime.feeds(self.session, ids, extra={TARGETS: targets, **(extra or {})})
+            (nll,) = self.session.run([NLL], feed)
+            first = windows.score_from[lo : lo + batch_size, None]
+            scored = (positions[None, :] >= first) & (positions[None, :] < windows.seq_len - 1)
+            total += float(nll[scored].astype(np.float64).sum())
+            count += int(scored.sum())
+            if progress:
+                progress(len(ids))
+        loss = total / count
+        return Perplexity(loss, math.exp(loss), count, len(windows), time.perf_counter() - start)
+
+
 def perplexity(
     model: ir.Model | str | Path,
     windows: Windows,
@@ -87,24 +123,7 @@ def perplexity(
     progress: Progress | None = None,
 ) -> Perplexity:
     """Token-weighted mean NLL (nats) of `windows` under `model`, computed by ONNX Runtime."""
-    if not isinstance(model, ir.Model):
-        model = graph.load(model)
-    sess = runtime.session(scoring_model(model), options)
-    start = time.perf_counter()
-    total, count = 0.0, 0
-    positions = np.arange(windows.seq_len)
-    for lo in range(0, len(windows), batch_size):
-        ids = windows.ids[lo : lo + batch_size]
-        targets = np.zeros_like(ids)
-        targets[:, :-1] = ids[:, 1:]  # position t predicts token t + 1; the last position predicts nothing
-        (nll,) = sess.run([NLL], runtime.feeds(sess, ids, extra={TARGETS: targets}))
-        scored = (positions[None, :] >= windows.score_from[lo : lo + batch_size, None]) & (positions[None, :] < windows.seq_len - 1)
-        total += float(nll[scored].astype(np.float64).sum())
-        count += int(scored.sum())
-        if progress:
-            progress(len(ids))
-    loss = total / count
-    return Perplexity(loss, math.exp(loss), count, len(windows), time.perf_counter() - start)
+    return Scorer(model, options)(windows, batch_size=batch_size, progress=progress)
 
 
 def latency(

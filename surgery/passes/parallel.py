@@ -31,7 +31,7 @@ def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:
             changes.append(Change(block.layer, "already parallel", applied=False))
             continue
         mlp = branch_nodes(model, block, "mlp")
-        _redirect(model.graph, mlp, values[block.resid_mid], values[block.resid_pre], block.layer)
+        redirect(model.graph, mlp, values[block.resid_mid], values[block.resid_pre], block.layer)
         changes.append(Change(block.layer, "ln2 reads resid_pre"))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
@@ -39,7 +39,7 @@ def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:
     return result
 
 
-def _redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value, layer: int) -> None:
+def redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value, layer: int, pass_name: str = PASS) -> None:
     """Make the branch's nodes read `new` where they read `old`; nodes outside the branch keep `old`.
 
     A Cast or Identity that the branch shares with the residual add (optimum writes one for
@@ -53,21 +53,21 @@ def _redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Valu
         )
         if not shared:
             node.replace_input_with(index, new)
-            tag(node, PASS, layer)
+            tag(node, pass_name, layer)
         elif node.op_type in ("Cast", "Identity") and len(node.outputs) == 1:
             copy = ir.Node(
                 node.domain,
                 node.op_type,
                 [new],
                 attributes=list(node.attributes.values()),
-                name=node_name(PASS, layer, f"ln2_{node.op_type.lower()}"),
+                name=node_name(pass_name, layer, f"ln2_{node.op_type.lower()}"),
             )
-            copy.outputs[0].name = node_name(PASS, layer, "ln2_input")
+            copy.outputs[0].name = node_name(pass_name, layer, "ln2_input")
             graph.insert_after(node, [copy])
             for user, i in list(node.outputs[0].uses()):
                 if user in branch:
                     user.replace_input_with(i, copy.outputs[0])
-            tag(copy, PASS, layer)
+            tag(copy, pass_name, layer)
         else:
             raise SurgeryError(
                 f"cannot parallelize block {layer}: node {node.name!r} ({node.op_type}) feeds both ln2 and the "

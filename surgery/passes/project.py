@@ -48,8 +48,8 @@ def project(
             changes.append(Change(block.layer, f"already {label}", applied=False))
             continue
         ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
-        prefix = _unique(node_name(PASS, block.layer, f"{branch}_out_{mode}"), taken)
-        nodes, new_out = _edit(out, ref, mode, scale, prefix, dtype)
+        prefix = unique_name(node_name(PASS, block.layer, f"{branch}_out_{mode}"), taken)
+        nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, dtype)
         for node in nodes:
             tag(node, PASS, block.layer)
         nodes[-1].metadata_props[EDIT_KEY] = label
@@ -76,7 +76,7 @@ def _check(branch: str, mode: str, scale: float | None) -> str:
     return f"{branch} {mode}" + (f"={scale:g}" if mode == "scale" else "")
 
 
-def _edit(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype) -> tuple[list[ir.Node], ir.Value]:
+def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype) -> tuple[list[ir.Node], ir.Value]:
     """Nodes computing the edited branch output from `out` [batch, pos, d_model] and direction source `ref`."""
     nodes: list[ir.Node] = []
 
@@ -104,7 +104,7 @@ def _edit(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype) ->
     return nodes, result
 
 
-def _unique(name: str, taken: set[str]) -> str:
+def unique_name(name: str, taken: set[str]) -> str:
     candidate, i = name, 2
     while any(t == candidate or t.startswith(candidate + "/") for t in taken):
         candidate, i = f"{name}_{i}", i + 1

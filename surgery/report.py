@@ -1,0 +1,214 @@
+"""Write a diagnose report: report.json, report.md and report.html beside PNG plots (matplotlib)."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = Path(__file__).with_name("report.schema.json")
+
+
+def write(report: dict, out_dir: str | Path) -> Path:
+    """Write the report folder atomically; return its path."""
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        plots = _plots(report, partial)
+        (partial / "report.json").write_text(json.dumps(report, indent=2))
+        (partial / "report.md").write_text(markdown(report, plots))
+        (partial / "report.html").write_text(_html(report, plots))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        partial.rename(out_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out_dir
+
+
+def summary(report: dict) -> dict:
+    """The headline numbers, as `--json` prints them."""
+    out: dict = {"model": report["model"]["path"], "n_layers": report["model"]["n_layers"]}
+    if "deficit" in report:
+        out["mean_deficit"] = report["deficit"]["mean"]
+    if "diversity" in report:
+        out["mean_d_attn"] = _mean(report["diversity"]["d_attn"])
+        out["mean_d_mlp"] = _mean(report["diversity"]["d_mlp"])
+    if "defect" in report and "spearman" in report["defect"]:
+        out["spearman_c"] = report["defect"]["spearman"]["c"]
+        out["spearman_c_stream"] = report["defect"]["spearman"]["c_stream"]
+    if "ablation" in report:
+        out["ablation_all_layers"] = report["ablation"]["all_layers"]
+    if "critical" in report:
+        out["critical_counts"] = {k: sum(l["counts"][k] for l in report["critical"]["layers"]) for k in ("attractor", "saddle", "repeller")}
+    return out
+
+
+def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
+    plots = plots or {}
+    n = report["model"]["n_layers"]
+    lines = [f"# surgery diagnose: {report['model']['path']}", ""]
+    cal = report["windows"]["calibration"]
+    lines.append(f"{n} blocks ({_forms(report)}). Scores from {cal['count']} calibration windows x {cal['seq_len']} tokens of {cal['corpus']}" + (
+        f"; losses from {report['windows']['evaluation']['count']} evaluation windows." if "evaluation" in report["windows"] else "."))
+    lines.append("Token 0 (the attention sink) is left out of every average.")
+    s = summary(report)
+    lines += ["", "| summary | value |", "|---|---|"]
+    for key, value in s.items():
+        if key in ("model", "ablation_all_layers", "critical_counts"):
+            continue
+        lines.append(f"| {key} | {_fmt(value)} |")
+    if "ablation" in report:
+        lines += ["", "## Ablations, all layers at once (dNLL, nats)", "", "| branch | tangential | radial | remove |", "|---|---|---|---|"]
+        for branch in ("mlp", "attn"):
+            row = report["ablation"]["all_layers"][branch]
+            lines.append(f"| {branch} | {_fmt(row['tangential'])} | {_fmt(row['radial'])} | {_fmt(row['remove'])} |")
+    columns = [("deficit", lambda r, l: r["deficit"]["deficit"][l]),
+               ("d_attn", lambda r, l: r["diversity"]["d_attn"][l]), ("d_mlp", lambda r, l: r["diversity"]["d_mlp"][l]),
+               ("C", lambda r, l: r["defect"]["c"][l]), ("C_stream", lambda r, l: r["defect"]["c_stream"][l]),
+               ("dNLL parallel", lambda r, l: r["defect"].get("dnll_parallel", [None] * n)[l]),
+               ("alpha", lambda r, l: r["gate"]["alpha"][l])]
+    present = [(name, get) for name, get in columns if _has(report, get)]
+    if present:
+        lines += ["", "## Per layer", "", "| layer | form | " + " | ".join(n for n, _ in present) + " |", "|---|---|" + "---|" * len(present)]
+        for l in range(n):
+            lines.append(f"| {l} | {report['model']['forms'][l]} | " + " | ".join(_fmt(get(report, l)) for _, get in present) + " |")
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{title}]({file})" for title, file in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _html(report: dict, plots: dict[str, str]) -> str:
+    body = markdown(report, {}).splitlines()
+    out = ["<!doctype html><html><head><meta charset='utf-8'><title>surgery diagnose</title>",
+           "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
+           "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}img{max-width:100%}</style></head><body>"]
+    table: list[list[str]] = []
+    for line in body + [""]:
+        if line.startswith("|"):
+            if not set(line) <= set("|-"):
+                table.append([c.strip() for c in line.strip("|").split("|")])
+            continue
+        if table:
+            out.append("<table>" + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table) + "</table>")
+            table = []
+        if line.startswith("# "):
+            out.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line.startswith("## "):
+            out.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line:
+            out.append(f"<p>{html.escape(line)}</p>")
+    for title, file in plots.items():
+        out.append(f"<h3>{html.escape(title)}</h3><img src='{html.escape(file)}' alt='{html.escape(title)}'>")
+    return "\n".join(out) + "</body></html>\n"
+
+
+def _plots(report: dict, folder: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    n = report["model"]["n_layers"]
+    layers = np.arange(n)
+    made: dict[str, str] = {}
+
+    def save(fig, name, title):
+        for ax in fig.axes:
+            if ax.get_xlabel() == "layer":
+                ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        made[title] = name
+
+    if "deficit" in report:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.bar(layers, _arr(report["deficit"]["deficit"]), color="#4c72b0")
+        ax.axhline(report["deficit"]["mean"], color="k", ls="--", lw=1, label=f"mean {report['deficit']['mean']:.3f}")
+        ax.set(xlabel="layer", ylabel="angular deficit 1 - a_l", title="Angular deficit")
+        ax.legend()
+        save(fig, "deficit.png", "Angular deficit per layer")
+    if "diversity" in report:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        for point, style in (("pre", "o-"), ("mid", "s--"), ("post", "^-")):
+            ax.plot(layers, _arr(report["diversity"][point]["diversity"]), style, ms=3, label=f"resid_{point}")
+        ax.set(xlabel="layer", ylabel="1 - mean pairwise cosine", title="Token diversity")
+        ax.legend()
+        save(fig, "diversity.png", "Diversity at resid_pre, resid_mid, resid_post")
+    if "defect" in report:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.plot(layers, _arr(report["defect"]["c"]), "o-", ms=3, label="C_l")
+        ax.plot(layers, _arr(report["defect"]["c_stream"]), "s-", ms=3, label="C_l stream")
+        ax.set(xlabel="layer", ylabel="defect", yscale="log", title="Sequential-to-parallel defect")
+        if "dnll_parallel" in report["defect"]:
+            twin = ax.twinx()
+            twin.plot(layers, _arr(report["defect"]["dnll_parallel"]), "k^:", ms=3, label="dNLL (this layer parallel)")
+            twin.set_ylabel("dNLL, nats")
+            twin.legend(loc="upper right")
+        ax.legend(loc="upper left")
+        save(fig, "defect.png", "Defect scores beside measured dNLL")
+    if "ablation" in report:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+        modes = ("tangential", "radial", "remove")
+        for ax, branch in zip(axes, ("mlp", "attn")):
+            values = [report["ablation"]["all_layers"][branch][m] for m in modes]
+            ax.bar(modes, values, color=["#55a868", "#c44e52", "#8172b2"])
+            ax.set(title=f"{branch}: all layers", ylabel="dNLL, nats")
+        save(fig, "ablation.png", "Ablations, all layers at once")
+    if "critical" in report:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        bottom = np.zeros(n)
+        for kind, color in (("attractor", "#55a868"), ("saddle", "#dd8452"), ("repeller", "#c44e52")):
+            counts = np.array([l["counts"][kind] for l in report["critical"]["layers"]], dtype=float)
+            ax.bar(layers, counts, bottom=bottom, color=color, label=kind)
+            bottom += counts
+        ax.set(xlabel="layer", ylabel="critical points", title=f"Critical points of the mlp field ({report['critical']['seeds']} seeds per layer)")
+        ax.legend()
+        save(fig, "critical.png", "Critical points by type")
+    if "prefix" in report:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        curves = np.array(report["prefix"]["sensitivity"], dtype=float)
+        for l in sorted(set(np.linspace(0, n - 1, min(n, 6)).astype(int))):
+            ax.plot(report["prefix"]["distances"], curves[l], "o-", ms=3, label=f"layer {l}")
+        ax.set(xscale="log", yscale="log", xlabel="distance d", ylabel="S_l(d)", title="Prefix sensitivity")
+        ax.legend(fontsize=7)
+        save(fig, "prefix.png", "Prefix sensitivity curves")
+    return made
+
+
+def _arr(values) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def _mean(values) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def _has(report, get) -> bool:
+    try:
+        get(report, 0)
+        return True
+    except (KeyError, IndexError):
+        return False
+
+
+def _forms(report) -> str:
+    forms = report["model"]["forms"]
+    return ", ".join(f"{forms.count(f)} {f}" for f in ("sequential", "parallel") if forms.count(f))
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,163 @@
+import json
+import re
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from surgery import data, evaluate, graph, runtime
+from surgery.blocks import find_blocks
+from surgery.cli import app
+from surgery.diagnostics import diagnose, graphs, prefix
+from surgery.passes import parallelize, project
+
+runner = CliRunner()
+
+
+def _tapped_run(model, ids):
+    p = graphs.probe(model, twin=False)
+    sess = runtime.session(p.model)
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, runtime.feeds(sess, ids))))
+    return [{k: out[v][0, 1:].astype(np.float64) for k, v in o.items()} for o in p.outputs]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_one_pass_defect_equals_two_separate_passes(fixture_path, family):
+    path = fixture_path(family)
+    report = diagnose(path, seq_len=40, windows=3, only=("defect", "gate"), eval_windows=2)
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=40, max_windows=3, part="calibration")
+    sums = np.zeros((3, 5))
+    for i in range(len(windows)):
+        ids = windows.ids[i : i + 1]
+        original = _tapped_run(model, ids)
+        for layer in range(3):
+            on_x = _tapped_run(parallelize(model, {layer}).model, ids)[layer]["mlp_out"]  # same x, mlp reads it
+            h, y = original[layer]["mlp_out"], original[layer]["resid_post"]
+            sums[layer] += [np.sum((h - on_x) ** 2), np.sum(h**2), np.sum(y**2), np.sum(h * on_x), np.sum(on_x**2)]
+    np.testing.assert_allclose(report["defect"]["c"], sums[:, 0] / sums[:, 1], rtol=1e-4)
+    np.testing.assert_allclose(report["defect"]["c_stream"], sums[:, 0] / sums[:, 2], rtol=1e-4)
+    np.testing.assert_allclose(report["gate"]["alpha"], sums[:, 3] / sums[:, 4], rtol=1e-4)
+
+
+def test_geometry_equals_loops_over_the_hooked_torch_model(tmp_path):
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from graphs.make_fixtures import save_tiny
+    from surgery.export import export
+    from tests.reference import block_tensors
+
+    hf = save_tiny("gpt2", tmp_path / "hf", seed=7)
+    folder = export(str(hf), tmp_path / "onnx").folder
+    report = diagnose(folder, seq_len=24, windows=2, only=("deficit", "diversity"))
+    reference = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    windows = data.windows(folder, seq_len=24, max_windows=2, part="calibration")
+    cosines = [[] for _ in range(3)]
+    div = {k: [[] for _ in range(3)] for k in ("resid_pre", "resid_mid", "resid_post")}
+    for row in windows.ids:
+        _, blocks = block_tensors(reference, row[None])
+        for layer, t in enumerate(blocks):
+            x, a, y = (t[k][0, 1:].astype(np.float64) for k in ("resid_pre", "attn_out", "resid_post"))
+            for xi, ai, di in zip(x, a, y - x):  # one token at a time, projections written out
+                u = xi / np.linalg.norm(xi)
+                pa, pd = ai - (ai @ u) * u, di - (di @ u) * u
+                cosines[layer].append(pa @ pd / np.linalg.norm(pa) / np.linalg.norm(pd))
+            for key in div:
+                v = t[key][0, 1:].astype(np.float64)
+                v = v / np.linalg.norm(v, axis=1, keepdims=True)
+                n = len(v)
+                div[key][layer].append(1 - sum(v[i] @ v[j] for i in range(n) for j in range(n) if i != j) / (n * (n - 1)))
+    np.testing.assert_allclose(report["deficit"]["alignment"], [np.mean(c) for c in cosines], atol=2e-4)
+    for point, key in (("pre", "resid_pre"), ("mid", "resid_mid"), ("post", "resid_post")):
+        np.testing.assert_allclose(report["diversity"][point]["diversity"], [np.mean(d) for d in div[key]], atol=2e-4)
+
+
+def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
+    path = fixture_path("llama")
+    report = diagnose(path, seq_len=32, windows=1, eval_windows=3, only=("defect", "ablation"))
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=32, max_windows=3, part="evaluation")
+    base = evaluate.perplexity(model, windows).loss
+    assert report["ablation"]["base_loss"] == pytest.approx(base, abs=1e-6)
+    for layer in range(3):
+        expected = evaluate.perplexity(parallelize(model, {layer}).model, windows).loss - base
+        assert report["defect"]["dnll_parallel"][layer] == pytest.approx(expected, abs=1e-5)
+        for branch in ("mlp", "attn"):
+            got = report["ablation"]["per_layer"][branch]["radial"][layer]
+            expected = evaluate.perplexity(project(model, branch, "radial", {layer}).model, windows).loss - base
+            assert got == pytest.approx(expected, abs=1e-5)
+    expected = evaluate.perplexity(project(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
+    assert report["ablation"]["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_parallel_blocks_report_defect_as_not_applicable(fixture_path):
+    report = diagnose(fixture_path("gpt_neox_parallel"), seq_len=32, windows=1, eval_windows=1, only=("defect", "gate", "diversity"))
+    assert report["defect"]["c"] == [None] * 3 and report["defect"]["c_stream"] == [None] * 3
+    assert report["defect"]["dnll_parallel"] == [None] * 3 and report["gate"]["alpha"] == [None] * 3
+    assert report["diversity"]["d_attn"] == [None] * 3 and all(v is not None for v in report["diversity"]["d_block"])
+
+
+def test_field_graph_is_the_torch_mlp_of_ln2(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from graphs.make_fixtures import save_tiny
+    from surgery.export import export
+
+    hf = save_tiny("llama", tmp_path / "hf", seed=4)
+    folder = export(str(hf), tmp_path / "onnx").folder
+    model = graph.load(folder)
+    reference = AutoModelForCausalLM.from_pretrained(hf).eval()
+    z = np.random.default_rng(0).standard_normal((1, 5, 64)).astype(np.float32)
+    for block in find_blocks(model):
+        sess = runtime.session(graphs.field(model, block))
+        layer = reference.model.layers[block.layer]
+        with torch.no_grad():
+            expected = layer.mlp(layer.post_attention_layernorm(torch.from_numpy(z))).numpy()
+        np.testing.assert_allclose(sess.run(None, {graphs.FIELD_IN: z})[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_prefix_sensitivity_matches_direct_runs(fixture_path):
+    path = fixture_path("gpt2")
+    model = graph.load(path)
+    p = graphs.probe(model, tensors=("resid_post",), twin=False)
+    sess = runtime.session(p.model)
+    names = [o["resid_post"] for o in p.outputs]
+    ids = data.windows(path, seq_len=20, max_windows=1).ids
+    got = prefix.sensitivity(sess, names, ids, [1, 4], 512, np.random.default_rng(3))
+    rng, t = np.random.default_rng(3), 19
+    plain = sess.run(names, runtime.feeds(sess, ids))
+    for k, d in enumerate([1, 4]):
+        changed = ids.copy()
+        changed[0, t - d] = (ids[0, t - d] + rng.integers(1, 512)) % 512
+        other = sess.run(names, runtime.feeds(sess, changed))
+        for layer in range(3):
+            y, y2 = plain[layer][0, t], other[layer][0, t]
+            assert got[layer, k] == pytest.approx(np.linalg.norm(y2 - y) / np.linalg.norm(y), rel=1e-5)
+    assert prefix.distances(256) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def test_diagnose_command_writes_a_report_people_can_open(tmp_path, fixture_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    from surgery.report import SCHEMA
+
+    out = tmp_path / "report"
+    args = ["diagnose", str(fixture_path("llama")), "-o", str(out), "--seq-len", "32", "--windows", "2", "--eval-windows", "2", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["n_layers"] == 3 and set(summary["ablation_all_layers"]) == {"mlp", "attn"}
+    report = json.loads((out / "report.json").read_text())
+    jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+    page = (out / "report.html").read_text()
+    images = re.findall(r"<img src='([^']+)'", page)
+    assert len(images) == 6
+    assert all((out / name).is_file() and (out / name).stat().st_size > 1000 for name in images)
+    assert "](deficit.png)" in (out / "report.md").read_text()
+
+
+def test_diagnose_rejects_unknown_sections(tmp_path, fixture_path):
+    result = runner.invoke(app, ["diagnose", str(fixture_path("llama")), "-o", str(tmp_path / "r"), "--only", "deficit,vibes"])
+    assert result.exit_code == 1 and "unknown diagnostic vibes" in result.stderr
+    assert not (tmp_path / "r").exists()

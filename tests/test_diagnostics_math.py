@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+
+from surgery.diagnostics.critical import find_critical_points, tangent_basis
+from surgery.diagnostics.defect import DefectStats, spearman
+from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
+
+
+def test_field_with_known_attractor_saddle_and_repeller():
+    """f(z) = diag(1, 2, 3) z on S^2: F(u) = P_u A u vanishes at +-e_k. Tangent eigenvalues at e_k are
+    lambda_j - lambda_k: e_3 attracts, e_2 is a saddle, e_1 repels."""
+    a = np.diag([1.0, 2.0, 3.0])
+    seeds = np.random.default_rng(0).standard_normal((40, 3))
+    search = find_critical_points(lambda z: z @ a.T, seeds, r=2.0)
+    kinds = {}
+    for p in search.points:
+        axis = int(np.argmax(np.abs(p.direction)))
+        assert abs(p.direction[axis]) > 0.999  # every zero found is a coordinate axis
+        kinds.setdefault(axis, set()).add(p.kind)
+    assert kinds == {0: {"repeller"}, 1: {"saddle"}, 2: {"attractor"}}
+    assert search.counts() == {"attractor": 2, "saddle": 2, "repeller": 2}
+
+
+def test_tangent_basis_is_orthonormal_and_orthogonal_to_u():
+    u = np.random.default_rng(1).standard_normal(7)
+    u /= np.linalg.norm(u)
+    q = tangent_basis(u)
+    np.testing.assert_allclose(q.T @ q, np.eye(6), atol=1e-12)
+    np.testing.assert_allclose(q.T @ u, 0, atol=1e-12)
+
+
+def test_alignment_and_diversity_on_hand_made_vectors():
+    x = np.array([[1.0, 0, 0], [1.0, 0, 0]])
+    a = np.array([[5.0, 1, 0], [0, 0, 1]])
+    y = x + np.array([[3.0, 2, 0], [0, 1, 0]])
+    np.testing.assert_allclose(alignment(x, a, y), [1.0, 0.0], atol=1e-12)  # radial parts do not count
+    same = np.ones((4, 3))
+    assert mean_pairwise_cosine(same) == pytest.approx(1.0)
+    assert effective_rank(same) == pytest.approx(1.0)
+    eye = np.eye(3)
+    assert mean_pairwise_cosine(eye) == pytest.approx(0.0)
+    assert effective_rank(eye) == pytest.approx(3.0)
+
+
+def test_mean_pairwise_cosine_equals_the_pairwise_loop():
+    x = np.random.default_rng(2).standard_normal((9, 5))
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    loop = np.mean([u[i] @ u[j] for i in range(9) for j in range(9) if i != j])
+    assert mean_pairwise_cosine(x) == pytest.approx(loop)
+
+
+def test_defect_stats_stream_like_one_batch():
+    rng = np.random.default_rng(3)
+    h, x, y = (rng.standard_normal((6, 10, 4)) for _ in range(3))
+    whole, parts = DefectStats(2), DefectStats(2)
+    whole.update(0, h, x, y)
+    for i in range(6):
+        parts.update(0, h[i], x[i], y[i])
+    for key in ("c", "c_stream", "alpha"):
+        assert parts.result()[key][0] == pytest.approx(whole.result()[key][0])
+        assert whole.result()[key][1] is None  # never seen: not applicable, not zero
+    assert whole.result()["c"][0] == pytest.approx(np.sum((h - x) ** 2) / np.sum(h**2))
+    assert whole.result()["alpha"][0] == pytest.approx(np.sum(h * x) / np.sum(x**2))
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, None, 3, 4, 5], [2, 9, 1, 3, 4]) == pytest.approx(np.corrcoef([0, 1, 2, 3], [1, 0, 2, 3])[0, 1])
+    assert spearman([1, 2], [1, 2]) is None
