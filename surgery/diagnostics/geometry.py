@@ -35,7 +35,9 @@ def mean_pairwise_cosine(x: np.ndarray) -> float:
 
 def effective_rank(x: np.ndarray) -> float:
     """exp(entropy of the normalised singular values) of the n x d matrix of directions."""
-    s = np.linalg.svd(unit(x.astype(np.float64)), compute_uv=False)
+    u = unit(x.astype(np.float64))
+    gram = u @ u.T if u.shape[0] <= u.shape[1] else u.T @ u  # its eigenvalues are the squared singular values
+    s = np.sqrt(np.clip(np.linalg.eigvalsh(gram), 0, None))
     p = s / s.sum()
     p = p[p > 0]
     return float(np.exp(-np.sum(p * np.log(p))))
