@@ -45,7 +45,8 @@ class BlockMap:
     mlp_out: str
     resid_post: str
     ln_kind: str  # e.g. "RMSNorm (decomposed)", "LayerNorm (fused op)"
-    mlp_kind: str  # "gated" (act(x W_gate) * x W_up) or "plain" (act(x W_in))
+    mlp_kind: str  # "gated" (act(x W_gate) * x W_up), "plain" (act(x W_in)), or "fused"
+    fused: bool = False  # one MatMul computes attn_out + mlp_out; both fields name that sum
 
     @property
     def is_parallel(self) -> bool:
@@ -53,10 +54,13 @@ class BlockMap:
 
     @property
     def form(self) -> str:
-        return "parallel" if self.is_parallel else "sequential"
+        return "fused" if self.fused else "parallel" if self.is_parallel else "sequential"
 
     def tensors(self) -> dict[str, str]:
-        """The block's residual tensors, name -> graph value name (resid_mid omitted when parallel)."""
+        """The block's residual tensors, name -> graph value name (resid_mid omitted when parallel;
+        a fused block has no separate attn_out and mlp_out)."""
+        if self.fused:
+            return {"resid_pre": self.resid_pre, "resid_post": self.resid_post}
         names = {
             "resid_pre": self.resid_pre,
             "attn_out": self.attn_out,
@@ -116,14 +120,23 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
             blocks.append(_block(len(blocks), pre, attn, None, pre, mlp, post, norms, stream, is_const))
             i += 1
             continue
-        if kinds == ["attn"] and i + 1 < len(steps):
-            mid, post2, branches2 = steps[i + 1]
-            kinds2 = [_branch_kind(b, mid, stream) for b in branches2]
-            if kinds2 == ["mlp"]:
+        if kinds == ["attn"]:
+            mid, post2, branches2 = steps[i + 1] if i + 1 < len(steps) else (None, None, [])
+            if [_branch_kind(b, mid, stream) for b in branches2] == ["mlp"]:
                 blocks.append(
                     _block(len(blocks), pre, branches[0], mid, mid, branches2[0], post2, norms, stream, is_const)
                 )
                 i += 2
+                continue
+            if any(n.metadata_props.get("surgery.pass") == "fuse" for n in _branch_nodes(branches[0], stream)):
+                # `surgery parallelize --fuse` wrote one branch that is attention and mlp at once
+                blocks.append(
+                    dataclasses.replace(
+                        _block(len(blocks), pre, branches[0], None, pre, branches[0], post, norms, stream, is_const),
+                        mlp_kind="fused", fused=True,
+                    )
+                )
+                i += 1
                 continue
         found = " + ".join(f"{k} ({b.name})" for k, b in zip(kinds, branches)) or "nothing"
         raise SurgeryError(
@@ -139,6 +152,82 @@ def branch_nodes(model: ir.Model, block: BlockMap, branch: str) -> set[ir.Node]:
     values.update((v.name, v) for v in model.graph.inputs)
     stop = {values[name] for name in (block.resid_pre, block.resid_mid) if name is not None}
     return _branch_nodes(values[block.mlp_out if branch == "mlp" else block.attn_out], stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """A normalisation reading a block's stream value: out = normalize(x) * scale (+ bias)."""
+
+    kind: str  # "LayerNorm" or "RMSNorm"
+    input: str
+    output: str  # the value the projections read
+    scale: str  # 1-D initializer [d_model]
+    bias: str | None
+    eps: float
+
+
+def block_norms(model: ir.Model, block: BlockMap) -> tuple[Norm, Norm]:
+    """ln1 and ln2 of a block, with their scale, bias and epsilon, for passes that fold them.
+
+    Raises SurgeryError for normalisations it cannot read (decomposed LayerNorm, say).
+    """
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    values.update((v.name, v) for v in model.graph.inputs)
+    attn = _branch_nodes(values[block.attn_out], {values[block.resid_pre]})
+    mlp = _branch_nodes(values[block.mlp_out], {values[n] for n in (block.resid_pre, block.resid_mid) if n})
+    found = {}
+    for which, source, branch in (("ln1", values[block.resid_pre], attn), ("ln2", values[block.mlp_in], mlp)):
+        norms = [n for n in _norm_nodes(source) if n in branch]
+        if len(norms) != 1:
+            raise SurgeryError(f"block {block.layer}: found {len(norms)} normalisations for {which} reading {source.name!r}; expected one")
+        found[which] = _read_norm(norms[0], source, block.layer, which)
+    return found["ln1"], found["ln2"]
+
+
+def _norm_nodes(x: ir.Value) -> list[ir.Node]:
+    """The LayerNormalization / RMSNormalization / ReduceMean(x**2) nodes that normalise x."""
+    out = []
+    for node in _consumers_through_casts(x):
+        if node.op_type in _FUSED_NORMS:
+            out.append(node)
+        elif node.op_type in ("Pow", "Mul") and _squared(node) is x:
+            out.extend(u for u, _ in node.outputs[0].uses() if u.op_type == "ReduceMean")
+    return out
+
+
+def _consumers_through_casts(x: ir.Value) -> list[ir.Node]:
+    nodes, todo = [], [x]
+    while todo:
+        for user, _ in todo.pop().uses():
+            if user.op_type in ("Cast", "Identity"):
+                todo.append(user.outputs[0])
+            else:
+                nodes.append(user)
+    return nodes
+
+
+def _read_norm(node: ir.Node, x: ir.Value, layer: int, which: str) -> Norm:
+    if node.op_type in _FUSED_NORMS:
+        kind = "LayerNorm" if node.op_type == "LayerNormalization" else "RMSNorm"
+        attr = node.attributes.get("epsilon")
+        bias = node.inputs[2].name if kind == "LayerNorm" and len(node.inputs) > 2 and node.inputs[2] is not None else None
+        return Norm(kind, x.name, node.outputs[0].name, node.inputs[1].name, bias, float(attr.value) if attr else 1e-5)
+    # Decomposed RMSNorm: ReduceMean -> Add(eps) -> Sqrt -> Div(1, .) | Reciprocal -> Mul(x, .) -> [Cast] -> Mul(scale, .)
+    value, eps = node.outputs[0], None
+    for _ in range(8):
+        uses = value.uses()
+        if len(uses) != 1:
+            break
+        user = uses[0].node
+        if user.op_type == "Add" and eps is None:
+            const = next((_constant_tensor(v) for v in user.inputs if v is not None and _constant_tensor(v) is not None), None)
+            eps = None if const is None else float(const.numpy().reshape(-1)[0])
+        if user.op_type == "Mul":
+            scale = next((v for v in user.inputs if v is not None and v.const_value is not None and v.shape is not None and v.shape.rank() == 1), None)
+            if scale is not None:
+                return Norm("RMSNorm", x.name, user.outputs[0].name, scale.name, None, eps if eps is not None else 1e-6)
+        value = user.outputs[0]
+    raise SurgeryError(f"block {layer}: cannot read the scale of {which} (RMSNorm reading {x.name!r}); this graph shape is not supported for --fuse")
 
 
 def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) -> BlockMap:

@@ -117,13 +117,78 @@ def inspect(
 def parallelize(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).")],
-    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.")] = False,
+    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `auto` (chosen by defect score and measured dNLL), `all`, or e.g. `3-7,12`, `-1`.")] = "auto",
+    fuse: Annotated[bool, typer.Option("--fuse", help="One normalisation and two MatMuls per block, ln scales folded into the weights.")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Scale each parallel block's mlp output by its least-squares gate alpha_l.")] = False,
+    max_loss_increase: Annotated[float, typer.Option(help="auto: largest dNLL (nats, calibration windows) the chosen set may cost.")] = 0.02,
+    max_layers: Annotated[Optional[int], typer.Option(help="auto: choose at most this many blocks.")] = None,
+    protect_first: Annotated[int, typer.Option(help="auto: never choose the first N blocks.")] = 0,
+    protect_last: Annotated[int, typer.Option(help="auto: never choose the last N blocks.")] = 0,
+    score: Annotated[str, typer.Option(help="auto: ranking score, `c_stream` or `c`.")] = "c_stream",
+    data: Annotated[Optional[str], typer.Option(help="Corpus for auto and --calibrate: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
+    windows: Annotated[int, typer.Option(help="Calibration windows (scores, alpha, greedy dNLL).")] = 4,
+    eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
+    latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
+    repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 10,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""
-    from surgery.passes import parallelize as run
+    from surgery import runtime, select
 
-    _rewrite(model, out_path, layers, as_json, lambda m, chosen: run(m, chosen))
+    options = runtime.Options(threads=threads)
+    if layers.strip().lower() != "auto":
+        def apply(m, chosen):
+            alpha = None
+            if calibrate:
+                from surgery import data as corpus
+                from surgery.diagnostics import defect
+
+                cal = corpus.windows(model, data, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
+                gates = defect.scores(m, cal, options)["alpha"]
+                alpha = {l: gates[l] for l in chosen if gates[l] is not None}
+            return select.rewrite(m, chosen, fused=fuse, alpha=alpha)
+
+        _rewrite(model, out_path, layers, as_json, apply)
+        return
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def tell(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        outcome, written = select.auto(
+            model, out_path, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, score=score,
+            max_loss_increase=max_loss_increase, max_layers=max_layers, protect_first=protect_first,
+            protect_last=protect_last, fused=fuse, calibrate=calibrate, measure_latency=latency, repeats=repeats,
+            tokenizer=tokenizer, options=options, progress=tell,
+        )
+    if as_json:
+        print(json.dumps({"out": str(written), **outcome.to_json()}, indent=2))
+        return
+    from surgery.layers import format_layers
+
+    sel = outcome.selection
+    lines = [
+        ("chosen layers", f"{format_layers(sel.layers)} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks; form {outcome.form})"),
+        ("ranked by", f"{sel.score}, lowest first; {len(sel.trials)} candidates tried, {sum(t.kept for t in sel.trials)} kept"),
+        ("forward passes", f"{sel.forward_passes} over the calibration windows: 1 for all scores, 1 baseline, {len(sel.trials)} candidates"),
+        ("dNLL calibration", f"{sel.dnll:+.4f} nats (limit {max_loss_increase})"),
+        ("dNLL evaluation", f"{outcome.dnll_eval:+.4f} nats on {outcome.eval_tokens} held-out tokens (base loss {outcome.base_loss_eval:.4f})"),
+        ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times)"),
+    ]
+    if outcome.prefill_ratio is not None:
+        decode = f", decode {outcome.decode_ratio:.3f}x" if outcome.decode_ratio else ""
+        lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
+    lines.append(("written", f"{written} (+ selection.json)"))
+    for key, value in lines:
+        out.print(f"[bold]{key:>17}[/]  {escape(value)}", highlight=False)
 
 
 @_command

@@ -190,6 +190,61 @@ def latency(
     return results
 
 
+@dataclasses.dataclass(frozen=True)
+class BranchTimes:
+    """Per-block kernel time of the attention and mlp branches (ln included) in one prefill, ms."""
+
+    attn_ms: tuple[float, ...]
+    mlp_ms: tuple[float, ...]
+    total_ms: float  # every kernel of the graph
+
+    def estimated_speedup(self, layers) -> float:
+        """The paper's estimate: a parallel block costs max(t_attn, t_mlp) instead of their sum."""
+        saved = sum(min(self.attn_ms[l], self.mlp_ms[l]) for l in layers)
+        return self.total_ms / (self.total_ms - saved)
+
+
+def branch_times(model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: int = 5, seed: int = 0) -> BranchTimes:
+    """Profile prefill with ONNX Runtime's profiler (basic optimisations keep node names) and add each
+    node's kernel time to its block's branch. Nodes that several blocks share (mask, rotary) count
+    only in the total."""
+    import os
+    import tempfile
+
+    import onnxruntime as ort
+
+    from surgery.blocks import branch_nodes, find_blocks
+
+    blocks = find_blocks(model)
+    owner: dict[str, tuple[int, str] | None] = {}
+    for block in blocks:
+        for branch in ("attn", "mlp"):
+            for node in branch_nodes(model, block, branch):
+                owner[node.name] = (block.layer, branch) if node.name not in owner else None
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(tmp, "profile")
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), so, providers=list(runtime.providers("cpu")))
+        ids = np.random.default_rng(seed).integers(0, _vocab(sess), size=(batch, seq_len))
+        inputs = runtime.feeds(sess, ids)
+        for _ in range(runs):
+            sess.run(None, inputs)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    attn, mlp, total = np.zeros(len(blocks)), np.zeros(len(blocks)), 0.0
+    for event in events:
+        if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
+            continue
+        ms = event["dur"] / 1000 / runs
+        total += ms
+        where = owner.get(event["name"][: -len("_kernel_time")])
+        if where is not None:
+            (attn if where[1] == "attn" else mlp)[where[0]] += ms
+    return BranchTimes(tuple(attn.tolist()), tuple(mlp.tolist()), total)
+
+
 def position_limit(model: str | Path) -> int | None:
     """The model's position limit from config.json beside it (max_position_embeddings or n_positions)."""
     config = graph.resolve(model).parent / "config.json"

@@ -100,3 +100,21 @@ def test_loss_equals_the_torch_model(smollm2):
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets)
     assert got.tokens == targets.numel()
     assert abs(got.loss - float(expected)) < 1e-3
+
+
+def test_auto_parallel_with_defaults_costs_at_most_003_nats_and_fuses_exactly(smollm2, tmp_path):
+    from surgery import data
+    from surgery.passes import fuse, parallelize
+    from surgery.select import auto
+
+    outcome, written = auto(smollm2, tmp_path / "auto", measure_latency=False)
+    assert 0 < len(outcome.selection.layers) < 30
+    assert outcome.dnll_eval <= 0.03
+    assert outcome.selection.dnll <= 0.02
+    model = graph.load(smollm2)
+    ids = data.windows(smollm2, seq_len=128, max_windows=1).ids
+    plain = parallelize(model, outcome.selection.layers).model
+    fused = fuse(model, outcome.selection.layers).model
+    sessions = [runtime.session(m) for m in (plain, fused)]
+    a, b = (s.run(["logits"], runtime.feeds(s, ids))[0] for s in sessions)
+    np.testing.assert_allclose(b, a, atol=1e-3, rtol=1e-3)

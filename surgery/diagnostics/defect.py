@@ -49,3 +49,22 @@ def _ranks(v: np.ndarray) -> np.ndarray:
         tied = v == value
         ranks[tied] = ranks[tied].mean()
     return ranks
+
+
+def scores(model, windows, options=None, progress=None) -> dict[str, list[float | None]]:
+    """C_l, C_l^stream and alpha_l of every block from one pass of the probe graph over `windows`."""
+    from surgery import runtime
+    from surgery.diagnostics.graphs import probe
+
+    p = probe(model, tensors=("mlp_out", "resid_post"), twin=True)
+    sess = runtime.session(p.model, options or runtime.Options())
+    names = [o.name for o in sess.get_outputs()]
+    stats = DefectStats(len(p.outputs))
+    for i in range(len(windows)):
+        out = dict(zip(names, sess.run(None, runtime.feeds(sess, windows.ids[i : i + 1]))))
+        for layer, o in enumerate(p.outputs):
+            if "mlp_out_on_pre" in o:  # token 0, the attention sink, left out
+                stats.update(layer, out[o["mlp_out"]][0, 1:], out[o["mlp_out_on_pre"]][0, 1:], out[o["resid_post"]][0, 1:])
+        if progress:
+            progress(i + 1, len(windows))
+    return stats.result()

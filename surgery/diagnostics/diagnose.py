@@ -47,6 +47,8 @@ def diagnose(
     tell = progress or (lambda stage, done, total: None)
     model = graph.load(model_path)
     blocks = find_blocks(model, where=str(model_path))
+    if any(b.fused for b in blocks):
+        raise SurgeryError(f"{model_path} has fused blocks, whose attn_out and mlp_out are one MatMul; diagnose the model before `--fuse`")
     n = len(blocks)
     cal = data.windows(model_path, corpus, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
     report: dict = {

@@ -42,6 +42,10 @@ def project(
     for block in blocks:
         if block.layer not in chosen:
             continue
+        if block.fused:
+            raise SurgeryError(
+                f"block {block.layer} is fused: attn_out and mlp_out come from one MatMul; ablate before `--fuse`"
+            )
         out = values[block.mlp_out if branch == "mlp" else block.attn_out]
         producer = out.producer()
         if producer is not None and producer.metadata_props.get(EDIT_KEY) == label:

@@ -1,0 +1,142 @@
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from surgery import data, evaluate, graph, runtime
+from surgery.blocks import find_blocks
+from surgery.cli import app
+from surgery.errors import SurgeryError
+from surgery.passes import fuse, parallelize, project
+from surgery.select import rewrite, select_layers
+
+runner = CliRunner()
+
+
+def logits(model, ids):
+    sess = runtime.session(model)
+    return sess.run(["logits"], runtime.feeds(sess, ids))[0]
+
+
+def test_greedy_selection_keeps_only_what_fits(fixture_path):
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=32, max_windows=3, part="calibration")
+    everything = select_layers(model, windows, max_loss_increase=10.0)
+    assert everything.layers == (0, 1, 2) and everything.forward_passes == 2 + 3
+    scores = [everything.c_stream[t.layer] for t in everything.trials]
+    assert scores == sorted(scores)  # lowest defect first
+    # The reported dNLL is the loss of the plain parallel graph of the chosen set, measured independently.
+    base = evaluate.perplexity(model, windows).loss
+    assert everything.dnll == pytest.approx(evaluate.perplexity(parallelize(model, everything.layers).model, windows).loss - base, abs=1e-5)
+
+    nothing = select_layers(model, windows, max_loss_increase=-1.0)
+    assert nothing.layers == () and not any(t.kept for t in nothing.trials) and len(nothing.trials) == 3
+    capped = select_layers(model, windows, max_loss_increase=10.0, max_layers=1)
+    assert len(capped.layers) == 1 and capped.layers[0] == everything.trials[0].layer
+    protected = select_layers(model, windows, max_loss_increase=10.0, protect_first=1, protect_last=1)
+    assert protected.layers == (1,)
+
+
+def test_parallel_models_have_nothing_to_select(fixture_path):
+    path = fixture_path("gpt_neox_parallel")
+    windows = data.windows(path, seq_len=32, max_windows=2, part="calibration")
+    selection = select_layers(graph.load(path), windows, max_loss_increase=10.0)
+    assert selection.layers == () and selection.trials == () and selection.c == (None, None, None)
+
+
+class TestFused:
+    """The fused form against the hooked HF model (independent) and the plain parallel graph."""
+
+    @pytest.fixture(scope="class", params=["gpt2", "llama", "qwen2", "gpt_neox"])
+    def tiny(self, request, tmp_path_factory):
+        pytest.importorskip("torch")
+        from tests.test_passes import Exported
+
+        return Exported(request.param, tmp_path_factory.mktemp(request.param))
+
+    @pytest.mark.parametrize("layers", [{1}, {0, 2}, {0, 1, 2}], ids=str)
+    def test_fused_equals_the_hooked_parallel_model(self, tiny, layers):
+        from tests.test_passes import IDS
+
+        result = fuse(tiny.onnx, layers)
+        got = logits(result.model, IDS)
+        np.testing.assert_allclose(got, tiny.reference(parallel=layers), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got, logits(parallelize(tiny.onnx, layers).model, IDS), rtol=1e-4, atol=1e-4)
+        blocks = find_blocks(result.model)
+        assert [b.form for b in blocks] == ["fused" if b.layer in layers else "sequential" for b in blocks]
+        ops = [n.op_type for n in result.model.graph if n.metadata_props.get("surgery.layer") == str(min(layers))]
+        assert ops.count("MatMul") == 2 and ops.count("Split") == 1  # [q|k|v|mlp in] and [o ; mlp out]
+        assert fuse(result.model, layers).changed_layers == ()  # idempotent
+
+    def test_calibrated_fused_and_plain_equal_the_hooked_model(self, tiny):
+        from tests.test_passes import IDS
+
+        alpha = {0: 0.7, 2: 1.3}
+        edits = [("mlp", "scale", {layer}, a) for layer, a in alpha.items()]
+        expected = tiny.reference(parallel=set(alpha), branch_edits=edits)
+        for fused in (False, True):
+            model = rewrite(tiny.onnx, set(alpha), fused=fused, alpha=alpha).model
+            np.testing.assert_allclose(logits(model, IDS), expected, rtol=1e-4, atol=1e-4)
+
+    def test_fused_kv_cache_folder_generates_like_the_hooked_model(self, tiny, tmp_path):
+        import torch
+        from optimum.onnxruntime import ORTModelForCausalLM
+
+        from tests.reference import Edits
+        from tests.test_passes import IDS
+
+        out = graph.write(fuse(tiny.onnx, {0, 2}).model, tmp_path / "fused", like=tiny.folder)
+        prompt = torch.from_numpy(IDS[:1, :5])
+        kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = ORTModelForCausalLM.from_pretrained(out.parent).generate(prompt, **kwargs)
+        with Edits(tiny.torch, {0, 2}), torch.no_grad():
+            expected = tiny.torch.generate(prompt, **kwargs)
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def test_fused_blocks_refuse_ablation_and_diagnosis(fixture_path, tmp_path):
+    from surgery.diagnostics import diagnose
+
+    model = fuse(graph.load(fixture_path("llama")), {1}).model
+    with pytest.raises(SurgeryError, match="block 1 is fused"):
+        project(model, "mlp", "radial", {1})
+    assert project(model, "mlp", "radial", {0}).changed_layers == (0,)  # other blocks still can
+    written = graph.write(model, tmp_path / "fused", like=fixture_path("llama"))
+    with pytest.raises(SurgeryError, match="has fused blocks"):
+        diagnose(written.parent, seq_len=32, windows=1)
+
+
+def test_auto_command_writes_the_model_and_selection_json(tmp_path, fixture_path):
+    out = tmp_path / "auto"
+    args = ["parallelize", str(fixture_path("gpt2")), "-o", str(out), "--seq-len", "32", "--windows", "2",
+            "--eval-windows", "2", "--repeats", "2", "--max-loss-increase", "0.05", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    saved = json.loads((out / "selection.json").read_text())
+    assert saved["selection"]["layers"] == printed["selection"]["layers"]
+    assert saved["selection"]["forward_passes"] == 2 + len(saved["selection"]["trials"])
+    for key in ("dnll_eval", "estimated_speedup", "prefill_ratio", "decode_ratio"):
+        assert isinstance(saved[key], float)
+    chosen = saved["selection"]["layers"]
+    facts = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    assert [b["form"] for b in facts["blocks"]] == ["parallel" if i in chosen else "sequential" for i in range(3)]
+    # the reported evaluation dNLL is that of the written graph
+    ev = data.windows(fixture_path("gpt2"), seq_len=32, max_windows=2, part="evaluation")
+    measured = evaluate.perplexity(out, ev).loss - evaluate.perplexity(fixture_path("gpt2"), ev).loss
+    assert saved["dnll_eval"] == pytest.approx(measured, abs=1e-6)
+
+
+def test_auto_on_a_bare_onnx_file(tmp_path, fixture_path):
+    bare = tmp_path / "bare.onnx"
+    bare.write_bytes((fixture_path("llama") / "model.onnx").read_bytes())
+    args = ["parallelize", str(bare), "-o", str(tmp_path / "out.onnx"), "--seq-len", "32", "--windows", "2",
+            "--eval-windows", "2", "--no-latency", "--fuse"]
+    missing = runner.invoke(app, args)
+    assert missing.exit_code == 1 and "--tokenizer" in missing.stderr
+    done = runner.invoke(app, args + ["--tokenizer", str(fixture_path("llama") / "tokenizer.json")])
+    assert done.exit_code == 0, done.output
+    assert (tmp_path / "out.onnx").is_file() and (tmp_path / "out.selection.json").is_file()
+    assert "form fused" in done.stdout and "forward passes" in done.stdout
