@@ -41,6 +41,34 @@ def _command(fn):
     return app.command()(wrapper)
 
 
+@contextlib.contextmanager
+def _progress():
+    """A stderr progress display; yields tell(stage, done, total), one bar per stage."""
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def tell(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        yield tell
+
+
+def _counter(tell, stage: str, total: int):
+    """Turn tell(stage, done, total) into progress(n) that counts n more done."""
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        tell(stage, done, total)
+
+    return step
+
+
 @_command
 def export(
     source: Annotated[str, typer.Argument(help="Hub id, local HF folder, .gguf file, or `smollm2-135m` (bundled).")],
@@ -143,26 +171,12 @@ def parallelize(
         def apply(m, chosen):
             alpha = None
             if calibrate:
-                from surgery import data as corpus
-                from surgery.diagnostics import defect
-
-                cal = corpus.windows(model, data, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
-                gates = defect.scores(m, cal, options)["alpha"]
-                alpha = {l: gates[l] for l in chosen if gates[l] is not None}
+                alpha = select.gates(m, model, chosen, corpus=data, seq_len=seq_len, windows=windows, tokenizer=tokenizer, options=options)
             return select.rewrite(m, chosen, fused=fuse, alpha=alpha)
 
         _rewrite(model, out_path, layers, as_json, apply)
         return
-    from rich.progress import Progress
-
-    with Progress(console=err, transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def tell(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done)
-
+    with _progress() as tell:
         outcome, written = select.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, score=score,
             max_loss_increase=max_loss_increase, max_layers=max_layers, protect_first=protect_first,
@@ -250,36 +264,27 @@ def evaluate(
     """Perplexity and latency of one or more graphs on ONNX Runtime, side by side with the first."""
     import dataclasses
 
-    from rich.progress import Progress
-
     from surgery import data as corpus
     from surgery import evaluate as ev
     from surgery import graph, runtime
 
     for model in models:
-        graph.resolve(model)
-    limit = ev.position_limit(models[0])
-    needed = seq_len + 1 if latency else seq_len
-    if limit is not None and needed > limit:
-        raise SurgeryError(
-            f"--seq-len {seq_len} is beyond the model's position limit {limit} (config.json"
-            f"{'; decode needs seq-len + 1' if latency else ''}); choose --seq-len {limit - 1 if latency else limit} or less"
-        )
+        graph.resolve(model)  # every path checked before minutes of work
+    ev.check_seq_len(models[0], seq_len, decode=latency)
     windows = corpus.windows(
         models[0], data, seq_len=seq_len, stride=stride, max_windows=max_windows, part=part, tokenizer=tokenizer
     )
     options = runtime.Options(threads=threads, device=device)
     names = _short_names(models)
     scores, timings = [], []
-    with Progress(console=err, transient=True) as bar:
+    with _progress() as tell:
         for name, model in zip(names, models):
-            task = bar.add_task(f"perplexity {name}", total=len(windows))
-            scores.append(ev.perplexity(model, windows, batch_size=batch_size, options=options, progress=lambda n, t=task: bar.advance(t, n)))
+            step = _counter(tell, f"perplexity {name}", len(windows))
+            scores.append(ev.perplexity(model, windows, batch_size=batch_size, options=options, progress=step))
         if latency:
-            task = bar.add_task("latency (interleaved)", total=repeats)
             timings = ev.latency(
                 models, batch=latency_batch, seq_len=seq_len, repeats=repeats, warmup=warmup, options=options,
-                progress=lambda n: bar.advance(task, n),
+                progress=_counter(tell, "latency (interleaved)", repeats),
             )
     base = scores[0].loss
     rows = []
@@ -332,21 +337,12 @@ def diagnose(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
-    from rich.progress import Progress
-
     from surgery import report, runtime
     from surgery.diagnostics import SECTIONS
     from surgery.diagnostics import diagnose as run
 
     sections = SECTIONS if only.strip() == "all" else tuple(s.strip() for s in only.split(",") if s.strip())
-    with Progress(console=err, transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def tell(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done)
-
+    with _progress() as tell:
         result = run(
             model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections,
             critical_seeds=critical_seeds, tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell,

@@ -1,11 +1,13 @@
 """Corpora -> token windows: the embedded default corpus, a text file, or a jsonl file with a `text` field.
 
-The corpus is tokenized once (documents joined by a blank line) into one token stream, which is
-split in two contiguous, disjoint parts: calibration (the first `calibration` fraction of tokens:
-defect scores, alpha_l, layer selection) and evaluation (the rest: reported loss). Each part is cut
-into windows of seq_len tokens; when the tokenizer's own post-processor prepends BOS, every window
-starts with it. With stride < seq_len, windows overlap and only the last `stride` targets of a
-window (all of the first window's) are scored, so every token is scored once.
+The corpus is tokenized once (documents joined by a blank line) into one token stream, cut into
+segments of SEGMENT_WINDOWS windows' worth of tokens. Segments are dealt to two disjoint parts,
+interleaved so both see the whole corpus: calibration (a `calibration` fraction of the segments:
+defect scores, alpha_l, layer selection) and evaluation (the rest: reported loss). Windows of
+seq_len tokens are cut inside each segment; when the tokenizer's own post-processor prepends BOS,
+every window starts with it. With stride < seq_len, windows overlap and only the last `stride`
+targets of a window (all of the segment's first window's) are scored, so every token is scored
+once. `max_windows` takes windows evenly spaced over the part, not its first ones.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from surgery import graph
 from surgery.errors import SurgeryError
 
 DEFAULT_CORPUS = "pydoc"  # the name --data takes for the embedded default
+SEGMENT_WINDOWS = 8
 PARTS = ("evaluation", "calibration", "all")
 
 
@@ -157,10 +160,29 @@ def windows(
     stream = token_stream(texts, tok)
     if len(stream) == 0:
         raise SurgeryError(f"{name} has no text; pass a corpus with some")
-    cut = int(len(stream) * calibration)
-    lo, hi = {"evaluation": (cut, len(stream)), "calibration": (0, cut), "all": (0, len(stream))}[part]
-    result = make_windows(stream[lo:hi], seq_len, stride, bos_prefix(tok), f"{name} ({part} part)", offset=lo)
+    prefix = bos_prefix(tok)
+    body = seq_len - len(prefix)
+    size = SEGMENT_WINDOWS * max(body, 1)
+    parts: dict[str, list[Windows]] = {"calibration": [], "evaluation": []}
+    for j, lo in enumerate(range(0, len(stream), size)):
+        segment = stream[lo : lo + size]
+        if len(segment) < body:
+            continue
+        owner = "calibration" if int((j + 1) * calibration) > int(j * calibration) else "evaluation"
+        parts[owner].append(make_windows(segment, seq_len, stride, prefix, name, offset=lo))
+    chosen = parts["calibration"] + parts["evaluation"] if part == "all" else parts[part]
+    if not chosen:
+        make_windows(stream, seq_len, stride, prefix, name)  # raises the "fewer than one window" error
+        raise SurgeryError(f"{name} is too short for a {part} part at --seq-len {seq_len}; use a bigger corpus or a smaller --seq-len")
+    if part == "all":
+        chosen.sort(key=lambda w: int(w.starts[0]))
+    result = Windows(
+        np.concatenate([w.ids for w in chosen]),
+        np.concatenate([w.score_from for w in chosen]),
+        np.concatenate([w.starts for w in chosen]),
+        f"{name} ({part} part)",
+    )
     if max_windows is not None and max_windows < len(result):
-        n = max_windows
-        result = Windows(result.ids[:n], result.score_from[:n], result.starts[:n], result.name)
+        pick = np.unique(np.linspace(0, len(result) - 1, max_windows).round().astype(int))
+        result = Windows(result.ids[pick], result.score_from[pick], result.starts[pick], result.name)
     return result

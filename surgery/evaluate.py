@@ -245,6 +245,17 @@ def branch_times(model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: i
     return BranchTimes(tuple(attn.tolist()), tuple(mlp.tolist()), total)
 
 
+def check_seq_len(model: str | Path, seq_len: int, decode: bool = True) -> None:
+    """Refuse a window longer than the model's position limit (decode needs seq_len + 1 positions)."""
+    limit = position_limit(model)
+    needed = seq_len + 1 if decode else seq_len
+    if limit is not None and needed > limit:
+        raise SurgeryError(
+            f"--seq-len {seq_len} is beyond the model's position limit {limit} (config.json"
+            f"{'; decode needs seq-len + 1' if decode else ''}); choose --seq-len {limit - 1 if decode else limit} or less"
+        )
+
+
 def position_limit(model: str | Path) -> int | None:
     """The model's position limit from config.json beside it (max_position_embeddings or n_positions)."""
     config = graph.resolve(model).parent / "config.json"

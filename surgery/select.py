@@ -104,6 +104,15 @@ def select_layers(
     )
 
 
+def gates(model: ir.Model, model_path, layers, *, corpus=None, seq_len=256, windows=4, tokenizer=None, options=runtime.Options()) -> dict[int, float]:
+    """alpha_l of the given sequential blocks, from one probe pass over the calibration windows."""
+    from surgery import data
+
+    cal = data.windows(model_path, corpus, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
+    alpha = defect.scores(model, cal, options)["alpha"]
+    return {layer: alpha[layer] for layer in layers if alpha[layer] is not None}
+
+
 def rewrite(model: ir.Model, layers, *, fused: bool = False, alpha: dict[int, float] | None = None):
     """Make `layers` parallel: plain (ln2 reads resid_pre) or fused; with `alpha`, scale each one's
     mlp output by alpha_l (the calibrated parallel block). Returns a SurgeryResult."""
