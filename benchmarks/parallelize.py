@@ -1,6 +1,7 @@
 """The headline: SmolLM2-135M original vs auto-parallel (plain, fused, calibrated), quality and speed.
 
-    python benchmarks/parallelize.py [--repeats 20] [--device auto] [--execution sequential]
+    python benchmarks/parallelize.py [--repeats 20] [--all-layers] [--variants "plain all 30,fused all 30"]
+                                     [--device auto] [--execution sequential|parallel] [--threads N]
 
 One selection (defaults: C_l^stream ranking, 0.02 nats on 4 calibration windows), then every
 variant's dNLL on 8 held-out evaluation windows, graph size, the paper's estimated speedup, and
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--execution", default="sequential", choices=["sequential", "parallel"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--all-layers", action="store_true", help="also time every block made parallel")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the variant names to time")
     args = parser.parse_args()
     options = runtime.Options(threads=args.threads, execution=args.execution, device=args.device)
 
@@ -47,8 +49,12 @@ def main() -> None:
     }
     if args.all_layers:
         every = range(30)
-        variants["plain, all 30"] = rewrite(model, every).model
-        variants["fused, all 30"] = rewrite(model, every, fused=True).model
+        variants["plain all 30"] = rewrite(model, every).model
+        variants["fused all 30"] = rewrite(model, every, fused=True).model
+
+    if args.variants:
+        keep = {v.strip() for v in args.variants.split(",")} | {"original"}
+        variants = {k: v for k, v in variants.items() if k in keep}
 
     base = evaluate.perplexity(model, ev, options=options).loss
     times = evaluate.branch_times(model, seq_len=args.seq_len)

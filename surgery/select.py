@@ -11,16 +11,18 @@ the calibration windows, all in one switchboard session.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import evaluate, runtime
+from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.data import Windows
 from surgery.diagnostics import defect, graphs
 from surgery.errors import SurgeryError
+from surgery.passes import fuse, parallelize, project
 
 SCORES = ("c_stream", "c")
 Progress = Callable[[str, int, int], None]
@@ -106,8 +108,6 @@ def select_layers(
 
 def gates(model: ir.Model, model_path, layers, *, corpus=None, seq_len=256, windows=4, tokenizer=None, options=runtime.Options()) -> dict[int, float]:
     """alpha_l of the given sequential blocks, from one probe pass over the calibration windows."""
-    from surgery import data
-
     cal = data.windows(model_path, corpus, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
     alpha = defect.scores(model, cal, options)["alpha"]
     return {layer: alpha[layer] for layer in layers if alpha[layer] is not None}
@@ -116,8 +116,6 @@ def gates(model: ir.Model, model_path, layers, *, corpus=None, seq_len=256, wind
 def rewrite(model: ir.Model, layers, *, fused: bool = False, alpha: dict[int, float] | None = None):
     """Make `layers` parallel: plain (ln2 reads resid_pre) or fused; with `alpha`, scale each one's
     mlp output by alpha_l (the calibrated parallel block). Returns a SurgeryResult."""
-    from surgery.passes import fuse, parallelize, project
-
     if fused:
         return fuse(model, layers, mlp_scale=alpha)
     result = parallelize(model, layers)
@@ -172,10 +170,6 @@ def auto(
     progress: Progress | None = None,
 ) -> tuple[Outcome, Path]:
     """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path."""
-    import json
-
-    from surgery import data, graph
-
     tell = progress or (lambda stage, done, total: None)
     model = graph.load(model_path)
     cal = data.windows(model_path, corpus, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)

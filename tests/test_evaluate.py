@@ -120,3 +120,17 @@ def test_cpu_machine_prints_no_cuda_errors(fixture_path):
     )
     assert run.returncode == 0, run.stderr
     assert "CUDA" not in run.stderr and "cuda" not in run.stderr.lower() and "error" not in run.stderr.lower()
+
+
+def test_graph_without_kv_cache_gets_prefill_only(tmp_path):
+    pytest.importorskip("torch")
+    from graphs.make_fixtures import save_tiny
+    from surgery.export import export
+
+    folder = export(str(save_tiny("llama", tmp_path / "hf")), tmp_path / "onnx", past=False).folder
+    (result,) = evaluate.latency([folder], seq_len=16, repeats=2, warmup=1)
+    assert result.decode_ms is None and result.decode_p90_ms is None and result.prefill_ms > 0
+    shown = runner.invoke(app, ["evaluate", str(folder), "--seq-len", "16", "--max-windows", "2", "--repeats", "2", "--json"])
+    assert shown.exit_code == 0, shown.output
+    (row,) = __import__("json").loads(shown.stdout)["models"]
+    assert row["decode_ms"] is None and row["decode_ratio"] is None and row["prefill_ratio"] == 1

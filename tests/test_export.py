@@ -84,6 +84,16 @@ def test_export_command(tmp_path):
     assert again.exit_code == 1 and again.stderr.startswith("error: ") and "already exists" in again.stderr
 
 
+@pytest.mark.parametrize("exporter,past", [("optimum", True), ("dynamo", False)])
+def test_opset_is_the_one_asked_for(tmp_path, exporter, past):
+    from graphs.make_fixtures import save_tiny
+    from surgery import graph
+
+    hf = save_tiny("gpt2", tmp_path / "hf")
+    result = export(str(hf), tmp_path / "onnx", exporter=exporter, past=past, opset=18 if exporter == "dynamo" else 17)
+    assert graph.load(result.folder).opset_imports[""] == (18 if exporter == "dynamo" else 17)
+
+
 def test_dynamo_exporter_has_no_kv_cache(tmp_path):
     with pytest.raises(SurgeryError, match="--no-past"):
         export("anything", tmp_path / "x", exporter="dynamo", past=True)
