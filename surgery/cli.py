@@ -158,7 +158,7 @@ def parallelize(
     windows: Annotated[int, typer.Option(help="Calibration windows (scores, alpha, greedy dNLL).")] = 4,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
-    repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 10,
+    repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 20,
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,

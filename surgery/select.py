@@ -164,7 +164,7 @@ def auto(
     fused: bool = False,
     calibrate: bool = False,
     measure_latency: bool = True,
-    repeats: int = 10,
+    repeats: int = 20,
     tokenizer=None,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
