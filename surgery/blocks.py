@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from surgery.errors import SurgeryError
+from surgery.graph import values_by_name
 
 ATTENTION_OPS = frozenset(
     {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedMultiHeadAttention"}
@@ -148,8 +149,7 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
 
 def branch_nodes(model: ir.Model, block: BlockMap, branch: str) -> set[ir.Node]:
     """Nodes computing the block's `attn_out` or `mlp_out` (its ln included), back to the stream values it reads."""
-    values = {v.name: v for node in model.graph for v in node.outputs}
-    values.update((v.name, v) for v in model.graph.inputs)
+    values = values_by_name(model)
     stop = {values[name] for name in (block.resid_pre, block.resid_mid) if name is not None}
     return _branch_nodes(values[block.mlp_out if branch == "mlp" else block.attn_out], stop)
 
@@ -171,8 +171,7 @@ def block_norms(model: ir.Model, block: BlockMap) -> tuple[Norm, Norm]:
 
     Raises SurgeryError for normalisations it cannot read (decomposed LayerNorm, say).
     """
-    values = {v.name: v for node in model.graph for v in node.outputs}
-    values.update((v.name, v) for v in model.graph.inputs)
+    values = values_by_name(model)
     attn = _branch_nodes(values[block.attn_out], {values[block.resid_pre]})
     mlp = _branch_nodes(values[block.mlp_out], {values[n] for n in (block.resid_pre, block.resid_mid) if n})
     found = {}
@@ -273,11 +272,7 @@ def _squared(node: ir.Node | None) -> ir.Value | None:
     if node is None:
         return None
     if node.op_type == "Pow":
-        exponent = node.inputs[1].const_value if node.inputs[1] is not None else None
-        if exponent is None and node.inputs[1] is not None and node.inputs[1].producer() is not None:
-            producer = node.inputs[1].producer()
-            if producer.op_type == "Constant" and "value" in producer.attributes:
-                exponent = producer.attributes["value"].value
+        exponent = _constant_tensor(node.inputs[1]) if node.inputs[1] is not None else None
         if exponent is not None and float(exponent.numpy().reshape(-1)[0]) == 2.0:
             return _strip_casts(node.inputs[0])
     if node.op_type == "Mul" and node.inputs[0] is node.inputs[1]:

@@ -144,7 +144,7 @@ def latency(
     """
     sessions = [runtime.session(m, options) for m in models]
     rng = np.random.default_rng(seed)
-    vocab = _vocab(sessions[0])
+    vocab = runtime.vocab_size(sessions[0])
     ids = rng.integers(0, vocab, size=(batch, seq_len))
     next_ids = rng.integers(0, vocab, size=(batch, 1))
     prefill, decode = [], []
@@ -211,8 +211,6 @@ def branch_times(model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: i
     import os
     import tempfile
 
-    import onnxruntime as ort
-
     from surgery.blocks import branch_nodes, find_blocks
 
     blocks = find_blocks(model)
@@ -222,13 +220,9 @@ def branch_times(model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: i
             for node in branch_nodes(model, block, branch):
                 owner[node.name] = (block.layer, branch) if node.name not in owner else None
     with tempfile.TemporaryDirectory() as tmp:
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tmp, "profile")
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), so, providers=list(runtime.providers("cpu")))
-        ids = np.random.default_rng(seed).integers(0, _vocab(sess), size=(batch, seq_len))
+        options = runtime.Options(optimization="basic", device="cpu", profile=os.path.join(tmp, "profile"))
+        sess = runtime.session(model, options)
+        ids = np.random.default_rng(seed).integers(0, runtime.vocab_size(sess), size=(batch, seq_len))
         inputs = runtime.feeds(sess, ids)
         for _ in range(runs):
             sess.run(None, inputs)
@@ -270,9 +264,3 @@ def position_limit(model: str | Path) -> int | None:
             return data[key]
     return None
 
-
-def _vocab(sess) -> int:
-    for out in sess.get_outputs():
-        if out.name == "logits" and isinstance(out.shape[-1], int):
-            return out.shape[-1]
-    raise SurgeryError("the graph has no `logits` output with a fixed vocabulary size; evaluate needs a causal LM from `surgery export`")

@@ -63,7 +63,7 @@ def describe(path: str | Path) -> ModelFacts:
         ir_version=model.ir_version,
         producer=f"{model.producer_name or '?'} {model.producer_version or ''}".strip(),
         size_bytes=graph.size_on_disk(model, file),
-        external_data=tuple(p.name for p in graph.external_data_files(model, file)),
+        external_data=tuple(p.name for p in graph.external_data_files(model)),
         inputs=tuple(_info(v) for v in model.graph.inputs),
         outputs=tuple(_info(v) for v in model.graph.outputs),
         history=tuple(graph.history(model)),

@@ -46,20 +46,24 @@ def load(path: str | Path) -> ir.Model:
         ) from None
 
 
-def external_data_files(model: ir.Model, base: Path) -> list[Path]:
-    """Files next to the model that hold its external initializer data."""
-    files = set()
+def external_data(model: ir.Model) -> dict[str, Path]:
+    """Each external data file the model reads: its location (relative to the model file) -> the folder it is in."""
+    found = {}
     for value in model.graph.initializers.values():
         tensor = value.const_value
         if isinstance(tensor, ir.ExternalTensor):
-            files.add((base.parent / tensor.location).resolve())
-    return sorted(files)
+            found[tensor.location] = Path(tensor.base_dir)
+    return dict(sorted(found.items()))
+
+
+def external_data_files(model: ir.Model) -> list[Path]:
+    """Paths of the files holding the model's external initializer data."""
+    return [(base / location).resolve() for location, base in external_data(model).items()]
 
 
 def size_on_disk(model: ir.Model, path: str | Path) -> int:
     """Bytes of the .onnx file plus its external data files."""
-    file = resolve(path)
-    return file.stat().st_size + sum(f.stat().st_size for f in external_data_files(model, file) if f.exists())
+    return resolve(path).stat().st_size + sum(f.stat().st_size for f in external_data_files(model) if f.exists())
 
 
 def save(model: ir.Model, dest: str | Path) -> None:
@@ -67,8 +71,8 @@ def save(model: ir.Model, dest: str | Path) -> None:
     byte for byte (the kernel copies; weights are never read into this process)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    for src, location in _external_sources(model):
-        target = dest.parent / location
+    for location, base in external_data(model).items():
+        src, target = base / location, dest.parent / location
         if target.exists() and target.resolve() == src.resolve():
             continue  # written next to its own data, which is unchanged
         partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
@@ -101,7 +105,7 @@ def write(model: ir.Model, out: str | Path, like: str | Path) -> Path:
         return out
     if out.exists() and not out.is_dir():
         raise SurgeryError(f"-o {out} is a file but the input is a folder; pass a folder path")
-    skip = {source.name} | {p.name for p in external_data_files(model, source)}
+    skip = {source.name} | {p.name for p in external_data_files(model)}
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -125,16 +129,6 @@ def write(model: ir.Model, out: str | Path, like: str | Path) -> Path:
 _INLINE_LIMIT = 1 << 30
 
 
-def _external_sources(model: ir.Model) -> list[tuple[Path, str]]:
-    """(file on disk, location relative to the model) of every external data file the model reads."""
-    found = {}
-    for value in model.graph.initializers.values():
-        tensor = value.const_value
-        if isinstance(tensor, ir.ExternalTensor):
-            found[tensor.location] = Path(tensor.base_dir) / tensor.location
-    return [(src, location) for location, src in sorted(found.items())]
-
-
 def _inline_bytes(model: ir.Model) -> int:
     return sum(
         v.const_value.nbytes
@@ -156,7 +150,7 @@ def stream_dtype(model: ir.Model) -> ir.DataType:
 def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
     """Return a copy of `model` that also outputs the named values (weights shared, not copied)."""
     model = model.clone()
-    values = {v.name: v for v in all_values(model.graph)}
+    values = values_by_name(model)
     dtype = stream_dtype(model)
     present = {v.name for v in model.graph.outputs}
     for name in names:
@@ -170,6 +164,11 @@ def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
         model.graph.outputs.append(value)
         present.add(name)
     return model
+
+
+def values_by_name(model: ir.Model) -> dict[str, ir.Value]:
+    """Every named value of the main graph: inputs, initializers, node outputs."""
+    return {v.name: v for v in all_values(model.graph)}
 
 
 def all_values(graph: ir.Graph) -> Iterable[ir.Value]:

@@ -32,6 +32,7 @@ class Options:
     optimization: str = "all"
     execution: str = "sequential"  # or "parallel": independent nodes (attention and mlp) run at once
     device: str = "auto"  # "auto" (CUDA when usable), "cuda" or "cpu"
+    profile: str | None = None  # file prefix: ORT writes a JSON profile of every kernel run there
 
 
 @functools.cache
@@ -73,6 +74,9 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.I
     so.graph_optimization_level = OPTIMIZATION[options.optimization]
     if options.threads:
         so.intra_op_num_threads = options.threads
+    if options.profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = options.profile
     if options.execution == "parallel":
         so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
         if options.inter_threads:
@@ -80,7 +84,7 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.I
     elif options.execution != "sequential":
         raise SurgeryError(f"unknown execution mode {options.execution!r}; use sequential or parallel")
     if isinstance(model, ir.Model):
-        base = _external_data_folder(model)
+        base = next(iter(graph.external_data(model).values()), None)
         if base is not None:
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base))
         source = ir.to_proto(model).SerializeToString()
@@ -168,8 +172,9 @@ class Prepared:
             self.binding.synchronize_outputs()
 
 
-def _external_data_folder(model: ir.Model) -> Path | None:
-    for value in model.graph.initializers.values():
-        if isinstance(value.const_value, ir.ExternalTensor):
-            return Path(value.const_value.base_dir)
-    return None
+def vocab_size(sess: ort.InferenceSession) -> int:
+    """The fixed last dimension of the `logits` output."""
+    for out in sess.get_outputs():
+        if out.name == "logits" and isinstance(out.shape[-1], int):
+            return out.shape[-1]
+    raise SurgeryError("the graph has no `logits` output with a fixed vocabulary size; evaluate needs a causal LM from `surgery export`")

@@ -88,7 +88,7 @@ def diagnose(
         names = [o["resid_post"] for o in p.outputs]
         curves = np.zeros((n, len(dists)))
         for i in range(len(cal)):
-            curves += prefix.sensitivity(sess, names, cal.ids[i : i + 1], dists, _vocab(sess), rng)
+            curves += prefix.sensitivity(sess, names, cal.ids[i : i + 1], dists, runtime.vocab_size(sess), rng)
             tell("prefix sensitivity", i + 1, len(cal))
         report["prefix"] = {"distances": dists, "sensitivity": (curves / len(cal)).tolist()}
         report["seconds"]["prefix"] = time.perf_counter() - start
@@ -218,6 +218,3 @@ def _switch_losses(model, blocks, kinds, windows, options, tell) -> dict:
 def _describe(w: data.Windows) -> dict:
     return {"corpus": w.name, "count": len(w), "seq_len": w.seq_len, "tokens": w.tokens}
 
-
-def _vocab(sess) -> int:
-    return next(o.shape[-1] for o in sess.get_outputs() if o.name == "logits")

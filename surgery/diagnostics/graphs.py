@@ -19,7 +19,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from surgery import graph
 from surgery.blocks import BlockMap, branch_nodes, find_blocks
-from surgery.passes.common import values_by_name
+from surgery.graph import values_by_name
 from surgery.passes.parallel import redirect
 from surgery.passes.project import edit_nodes
 

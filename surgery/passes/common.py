@@ -48,10 +48,6 @@ def check_layers(layers: Collection[int], blocks: list[BlockMap]) -> set[int]:
     return chosen
 
 
-def values_by_name(model: ir.Model) -> dict[str, ir.Value]:
-    return {v.name: v for v in graph.all_values(model.graph)}
-
-
 def tag(node: ir.Node, pass_name: str, layer: int) -> None:
     """Mark a node as made or rewired by a pass, so Netron and `inspect` show what was done."""
     node.metadata_props[PASS_KEY] = pass_name

@@ -21,7 +21,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from surgery.blocks import BlockMap, block_norms, find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag, values_by_name
+from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag
+from surgery.graph import values_by_name
 from surgery.passes.parallel import parallelize
 
 PASS = "fuse"

@@ -8,7 +8,8 @@ import onnx_ir as ir
 
 from surgery.blocks import branch_nodes, find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag, values_by_name
+from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag
+from surgery.graph import values_by_name
 
 PASS = "parallelize"
 

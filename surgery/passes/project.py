@@ -16,7 +16,8 @@ import onnx_ir as ir
 from surgery import graph
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag, values_by_name
+from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag
+from surgery.graph import values_by_name
 
 PASS = "project"
 BRANCHES = ("mlp", "attn")
