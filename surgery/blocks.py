@@ -27,6 +27,7 @@ ATTENTION_OPS = frozenset(
 )
 # Ops through which a value computed only from constants is still a constant (a weight).
 _CONST_PASSTHROUGH = frozenset({"Transpose", "Cast", "Reshape", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
+FIX_KEY = "surgery.fix"  # node metadata: the output projection carries a folded fix (compensated / calibrated)
 _FUSED_NORMS = {
     "LayerNormalization": "LayerNorm (fused op)",
     "RMSNormalization": "RMSNorm (fused op)",
@@ -48,6 +49,7 @@ class BlockMap:
     ln_kind: str  # e.g. "RMSNorm (decomposed)", "LayerNorm (fused op)"
     mlp_kind: str  # "gated" (act(x W_gate) * x W_up), "plain" (act(x W_in)), or "fused"
     fused: bool = False  # one MatMul computes attn_out + mlp_out; both fields name that sum
+    fix: str | None = None  # a fix folded into the output projections by `compensate` (what it is)
 
     @property
     def is_parallel(self) -> bool:
@@ -233,6 +235,7 @@ def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) ->
     ln_kinds = sorted(set(norms[pre]))
     mlp_nodes = _branch_nodes(mlp, stream)
     weights = sum(1 for n in mlp_nodes if n.op_type in ("MatMul", "Gemm") and any(is_const(x) for x in n.inputs))
+    fix = next((n.metadata_props[FIX_KEY] for n in mlp_nodes if FIX_KEY in n.metadata_props), None)
     return BlockMap(
         layer=layer,
         resid_pre=pre.name,
@@ -243,6 +246,7 @@ def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) ->
         resid_post=post.name,
         ln_kind=" / ".join(ln_kinds),
         mlp_kind="gated" if weights >= 3 else "plain",
+        fix=fix,
     )
 
 

@@ -28,6 +28,39 @@ class Perplexity:
     tokens: int
     windows: int
     seconds: float
+    window_nll: tuple[float, ...] = ()  # summed NLL of each window's scored targets, for paired intervals
+    window_tokens: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """dNLL = loss(other) - loss(base) on the same windows, with a 95 % paired bootstrap interval over windows."""
+
+    dnll: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.dnll:+.4f} [{self.low:+.4f}, {self.high:+.4f}]"
+
+    def to_json(self) -> dict:
+        return {"dnll": self.dnll, "low": self.low, "high": self.high}
+
+
+def delta(base: Perplexity, other: Perplexity, *, resamples: int = 2000, seed: int = 0) -> Delta:
+    """Paired bootstrap of dNLL over windows: resample windows with replacement, the same ones for both
+    models, and take the 2.5 / 97.5 percentiles of the token-weighted difference."""
+    if base.window_tokens != other.window_tokens:
+        raise SurgeryError("dNLL needs both models scored on the same windows")
+    diff = np.asarray(other.window_nll, np.float64) - np.asarray(base.window_nll, np.float64)
+    tokens = np.asarray(base.window_tokens, np.float64)
+    point = float(diff.sum() / tokens.sum())
+    if len(diff) < 2:
+        return Delta(point, point, point)
+    picks = np.random.default_rng(seed).integers(0, len(diff), size=(resamples, len(diff)))
+    samples = diff[picks].sum(1) / tokens[picks].sum(1)
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return Delta(point, float(low), float(high))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +129,7 @@ class Scorer:
     ) -> Perplexity:
         """Token-weighted mean NLL (nats) of `windows`; `extra` feeds inputs a diagnostic graph added."""
         start = time.perf_counter()
-        total, count = 0.0, 0
+        sums, counts = [], []
         positions = np.arange(windows.seq_len)
         for lo in range(0, len(windows), batch_size):
             ids = windows.ids[lo : lo + batch_size]
@@ -106,12 +139,12 @@ class Scorer:
             (nll,) = self.session.run([NLL], feed)
             first = windows.score_from[lo : lo + batch_size, None]
             scored = (positions[None, :] >= first) & (positions[None, :] < windows.seq_len - 1)
-            total += float(nll[scored].astype(np.float64).sum())
-            count += int(scored.sum())
+            sums += [float(s) for s in np.where(scored, nll, 0).astype(np.float64).sum(1)]
+            counts += [int(c) for c in scored.sum(1)]
             if progress:
                 progress(len(ids))
-        loss = total / count
-        return Perplexity(loss, math.exp(loss), count, len(windows), time.perf_counter() - start)
+        loss = sum(sums) / sum(counts)
+        return Perplexity(loss, math.exp(loss), sum(counts), len(windows), time.perf_counter() - start, tuple(sums), tuple(counts))
 
 
 def perplexity(

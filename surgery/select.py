@@ -22,7 +22,7 @@ from surgery.blocks import find_blocks
 from surgery.data import Windows
 from surgery.diagnostics import defect, graphs
 from surgery.errors import SurgeryError
-from surgery.passes import fuse, parallelize, project
+from surgery.passes import Fix, fuse, parallelize, project
 
 SCORES = ("c_stream", "c")
 Progress = Callable[[str, int, int], None]
@@ -117,7 +117,7 @@ def rewrite(model: ir.Model, layers, *, fused: bool = False, alpha: dict[int, fl
     """Make `layers` parallel: plain (ln2 reads resid_pre) or fused; with `alpha`, scale each one's
     mlp output by alpha_l (the calibrated parallel block). Returns a SurgeryResult."""
     if fused:
-        return fuse(model, layers, mlp_scale=alpha)
+        return fuse(model, layers, {l: Fix.gate(a) for l, a in (alpha or {}).items()})
     result = parallelize(model, layers)
     changes = {c.layer: c for c in result.changes}
     for layer, factor in sorted((alpha or {}).items()):

@@ -81,11 +81,14 @@ class Edits:
     """Forward hooks that make the HF model compute what a rewritten graph computes.
 
     parallel: blocks whose ln2 reads resid_pre. branch_edits: (branch, mode, layers, scale) applied
-    in order, the mlp relative to ln2's input, attention relative to resid_pre.
+    in order, the mlp relative to ln2's input, attention relative to resid_pre. fixes: layer ->
+    (w_a, w_p, b) arrays: that block's mlp output P becomes P + A w_a + P w_p + b (A = attn output),
+    so resid_post = resid_pre + A + P + A w_a + P w_p + b: the compensated parallel block.
     """
 
-    def __init__(self, model, parallel=(), branch_edits=()):
+    def __init__(self, model, parallel=(), branch_edits=(), fixes=None):
         self.model, self.parallel, self.branch_edits = model, set(parallel), list(branch_edits)
+        self.fixes = {layer: tuple(torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in fix) for layer, fix in (fixes or {}).items()}
         self.handles = []
 
     def __enter__(self):
@@ -109,6 +112,11 @@ class Edits:
                         if branch == kind and layer in layers:
                             ref = state["ln2_in"] if kind == "mlp" else state["pre"]
                             first = edit(first, ref, mode, scale)
+                    if kind == "attn":
+                        state["attn"] = first
+                    elif layer in self.fixes:
+                        w_a, w_p, b = self.fixes[layer]
+                        first = first + state["attn"] @ w_a + first @ w_p + b
                     return (first,) + tuple(output[1:]) if isinstance(output, tuple) else first
 
                 return hook
@@ -126,6 +134,6 @@ class Edits:
             h.remove()
 
 
-def edited_logits(model, input_ids: np.ndarray, parallel=(), branch_edits=()) -> np.ndarray:
-    with Edits(model, parallel, branch_edits), torch.no_grad():
+def edited_logits(model, input_ids: np.ndarray, parallel=(), branch_edits=(), fixes=None) -> np.ndarray:
+    with Edits(model, parallel, branch_edits, fixes), torch.no_grad():
         return model(input_ids=torch.from_numpy(input_ids), use_cache=False).logits.float().numpy()

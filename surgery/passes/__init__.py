@@ -1,8 +1,9 @@
 """Graph passes: pure functions ir.Model -> SurgeryResult, one rewrite per module."""
 
-from surgery.passes.common import Change, SurgeryResult
+from surgery.passes.common import Change, Fix, SurgeryResult
+from surgery.passes.compensate import compensate
 from surgery.passes.fuse import fuse
 from surgery.passes.parallel import parallelize
 from surgery.passes.project import BRANCHES, MODES, project
 
-__all__ = ["BRANCHES", "MODES", "Change", "SurgeryResult", "fuse", "parallelize", "project"]
+__all__ = ["BRANCHES", "MODES", "Change", "Fix", "SurgeryResult", "compensate", "fuse", "parallelize", "project"]

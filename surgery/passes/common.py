@@ -6,6 +6,7 @@ import dataclasses
 import json
 from collections.abc import Collection
 
+import numpy as np
 import onnx_ir as ir
 
 from surgery import __version__, graph
@@ -35,6 +36,52 @@ class SurgeryResult:
     @property
     def changed_layers(self) -> tuple[int, ...]:
         return tuple(c.layer for c in self.changes if c.applied)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """A linear fix of a parallel block's output, folded into its output projections:
+
+        resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b
+
+    w_a, w_p: [d_model, d_model] arrays, w_p may also be a number (w_p I); None means 0.
+    Fix() changes nothing; Fix.gate(alpha) is the paper's calibrated parallel block.
+    """
+
+    w_a: np.ndarray | None = None
+    w_p: np.ndarray | float | None = None
+    b: np.ndarray | None = None
+
+    @classmethod
+    def gate(cls, alpha: float) -> "Fix":
+        return cls(w_p=float(alpha) - 1.0)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.w_a is None and self.b is None and (self.w_p is None or (np.isscalar(self.w_p) and self.w_p == 0))
+
+    def attn(self, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """W_o (I + w_a) and b_o (I + w_a), float64."""
+        return _times_one_plus(weight, self.w_a), None if bias is None else _times_one_plus(bias, self.w_a)
+
+    def mlp(self, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """W_down (I + w_p) and b_down (I + w_p), float64."""
+        return _times_one_plus(weight, self.w_p), None if bias is None else _times_one_plus(bias, self.w_p)
+
+    def describe(self) -> str:
+        """`calibrated x0.8812` for a gate, `compensated` for a full fix."""
+        if self.w_a is None and self.b is None and (self.w_p is None or np.isscalar(self.w_p)):
+            return f"calibrated x{1.0 + float(self.w_p or 0.0):.4f}"
+        return "compensated"
+
+
+def _times_one_plus(x: np.ndarray, w: np.ndarray | float | None) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    if w is None:
+        return x
+    if np.isscalar(w):
+        return x * (1.0 + float(w))
+    return x + x @ np.asarray(w, np.float64)
 
 
 def check_layers(layers: Collection[int], blocks: list[BlockMap]) -> set[int]:

@@ -12,38 +12,29 @@ only the projections that read ln1 / ln2 and the two output projections are repl
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery.blocks import BlockMap, block_norms, find_blocks
+from surgery.blocks import FIX_KEY, BlockMap, block_norms, find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag
 from surgery.graph import values_by_name
+from surgery.passes import projection
+from surgery.passes.common import Change, Fix, SurgeryResult, check_layers, node_name, record, tag
 from surgery.passes.parallel import parallelize
 
 PASS = "fuse"
 
 
-@dataclasses.dataclass
-class _Projection:
-    """out = input @ weight + bias, as the graph computes it (MatMul [+ Add], or Reshape-Gemm-Reshape)."""
-
-    input: ir.Value
-    output: ir.Value
-    weight: np.ndarray  # [in, out]
-    bias: np.ndarray | None
-
-
-def fuse(model: ir.Model, layers: Collection[int], mlp_scale: dict[int, float] | None = None) -> SurgeryResult:
+def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None) -> SurgeryResult:
     """Rewrite each selected block into the fused parallel form; sequential blocks are parallelized first.
 
-    mlp_scale: per layer, a factor folded into W_down (and b_down): the calibrated parallel block.
+    fixes: per layer, a linear fix folded into [W_o ; W_down] and the output bias (see compensate):
+    the compensated, or with Fix.gate(alpha) the calibrated, parallel block.
     """
-    mlp_scale = mlp_scale or {}
+    fixes = dict(fixes or {})
     chosen = check_layers(layers, find_blocks(model))
     parallel = parallelize(model, chosen)
     model = parallel.model  # already a copy
@@ -53,18 +44,18 @@ def fuse(model: ir.Model, layers: Collection[int], mlp_scale: dict[int, float] |
         if block.fused:
             changes.append(Change(layer, "already fused", applied=False))
             continue
-        _fuse_block(model, block, values_by_name(model), mlp_scale.get(layer, 1.0))
+        _fuse_block(model, block, values_by_name(model), fixes.get(layer, Fix()))
         RemoveUnusedNodesPass()(model)  # the old ln, projections and residual adds
         model.graph.sort()
         changes.append(Change(layer, "one normalisation, [q|k|v|mlp in] and [o ; mlp out] MatMuls"))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
-        scales = {str(k): v for k, v in sorted(mlp_scale.items()) if k in result.changed_layers}
-        record(model, PASS, result.changed_layers, {"mlp_scale": scales} if scales else {})
+        fixed = {str(k): v.describe() for k, v in sorted(fixes.items()) if k in result.changed_layers and not v.is_identity}
+        record(model, PASS, result.changed_layers, {"fixes": fixed} if fixed else {})
     return result
 
 
-def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], mlp_scale: float) -> None:
+def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
     g, layer = model.graph, block.layer
     ln1, ln2 = block_norms(model, block)
     if ln1.kind != ln2.kind:
@@ -79,11 +70,11 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], m
         for user, index in list(out.uses()):
             if user.op_type == "Shape":  # shape arithmetic: the ln output has resid_pre's shape
                 user.replace_input_with(index, x)
-        inputs += [(p, ln) for p in _projections(out, layer)]
-    attn_out = _output_projection(values[block.attn_out], layer, "attn_out")
-    mlp_out = _output_projection(values[block.mlp_out], layer, "mlp_out")
+        inputs += [(p, ln) for p in projection.reading(out, layer)]
+    attn_out = projection.producing(values[block.attn_out], layer, "attn_out")
+    mlp_out = projection.producing(values[block.mlp_out], layer, "mlp_out")
 
-    def fold(p: _Projection, ln) -> tuple[np.ndarray, np.ndarray]:
+    def fold(p: projection.Projection, ln) -> tuple[np.ndarray, np.ndarray]:
         scale = values[ln.scale].const_value.numpy().astype(np.float64)
         weight = p.weight.astype(np.float64)
         bias = np.zeros(weight.shape[1]) if p.bias is None else p.bias.astype(np.float64)
@@ -94,12 +85,10 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], m
     folded = [fold(p, ln) for p, ln in inputs]
     w_in = np.concatenate([w for w, _ in folded], axis=1).astype(np_dtype)
     b_in = np.concatenate([b for _, b in folded]).astype(np_dtype)
-    w_out = np.concatenate([attn_out.weight, mlp_scale * mlp_out.weight.astype(np.float64)], axis=0).astype(np_dtype)
-    b_out = np.zeros(w_out.shape[1])
-    for p, factor in ((attn_out, 1.0), (mlp_out, mlp_scale)):
-        if p.bias is not None:
-            b_out = b_out + factor * p.bias.astype(np.float64)
-    b_out = b_out.astype(np_dtype)
+    (w_o, b_o), (w_down, b_down) = fix.attn(attn_out.weight, attn_out.bias), fix.mlp(mlp_out.weight, mlp_out.bias)
+    w_out = np.concatenate([w_o, w_down], axis=0).astype(np_dtype)
+    b_out = sum(b for b in (b_o, b_down, fix.b) if b is not None)
+    b_out = (np.zeros(w_out.shape[1]) if isinstance(b_out, int) else b_out).astype(np_dtype)
 
     nodes: list[ir.Node] = []
 
@@ -127,6 +116,8 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], m
         p.output.replace_all_uses_with(piece)
     hidden = op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1)
     both = op("MatMul", [hidden, const("w_out", w_out)], "out_proj")
+    if not fix.is_identity:
+        nodes[-1].metadata_props[FIX_KEY] = fix.describe()
     if np.any(b_out):
         both = op("Add", [both, const("b_out", b_out)], "out_proj_bias")
     post = op("Add", [x, both], "resid_post")
@@ -146,77 +137,3 @@ def _normalize(op, const, x, ln, d_model: int, np_dtype):
     mean = op("ReduceMean", [square, axes], "mean_square", keepdims=1)
     rms = op("Sqrt", [op("Add", [mean, const("eps", np.array(ln.eps, np_dtype))], "plus_eps")], "rms")
     return op("Div", [x, rms], "norm")
-
-
-def _weight(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.const_value is None or value.shape is None:
-        return None
-    return value.const_value.numpy()
-
-
-def _bias_after(out: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
-    """If `out`'s only use is Add(out, 1-D constant), return that Add's output and the bias."""
-    uses = out.uses()
-    if len(uses) == 1 and uses[0].node.op_type == "Add":
-        add = uses[0].node
-        other = add.inputs[1 - uses[0].idx]
-        bias = _weight(other)
-        if bias is not None and bias.ndim == 1:
-            return add.outputs[0], bias
-    return out, None
-
-
-def _projections(source: ir.Value, layer: int) -> list[_Projection]:
-    """The linear projections reading `source` (an ln output)."""
-    found = []
-    for user, index in list(source.uses()):
-        if user.op_type == "MatMul" and index == 0 and (w := _weight(user.inputs[1])) is not None and w.ndim == 2:
-            out, bias = _bias_after(user.outputs[0])
-            found.append(_Projection(source, out, w, bias))
-        elif user.op_type == "Reshape" and index == 0 and (p := _gemm_after(user, source)) is not None:
-            found.append(p)
-        else:
-            raise SurgeryError(
-                f"cannot fuse block {layer}: the ln output {source.name!r} feeds {user.op_type} {user.name!r}, "
-                "not a projection; use plain parallel (no --fuse)"
-            )
-    return found
-
-
-def _gemm_after(reshape: ir.Node, source: ir.Value) -> _Projection | None:
-    """Reshape(source, [-1, d]) -> Gemm(., W, b) -> Reshape(., [batch, pos, k]): one projection."""
-    uses = reshape.outputs[0].uses()
-    if len(uses) != 1 or uses[0].node.op_type != "Gemm" or uses[0].idx != 0:
-        return None
-    gemm = uses[0].node
-    attrs = {k: a.value for k, a in gemm.attributes.items()}
-    w = _weight(gemm.inputs[1])
-    if w is None or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
-        return None
-    w = w.T if attrs.get("transB", 0) else w
-    bias = _weight(gemm.inputs[2]) if len(gemm.inputs) > 2 else None
-    after = gemm.outputs[0].uses()
-    if len(after) != 1 or after[0].node.op_type != "Reshape":
-        return None
-    return _Projection(source, after[0].node.outputs[0], w, bias)
-
-
-def _output_projection(out: ir.Value, layer: int, what: str) -> _Projection:
-    """The projection producing a branch output: MatMul(h, W) [+ b], or Reshape-Gemm-Reshape."""
-    node, bias = out.producer(), None
-    if node is not None and node.op_type == "Add":
-        for i in (0, 1):
-            b = _weight(node.inputs[i])
-            if b is not None and b.ndim == 1:
-                bias, node = b, node.inputs[1 - i].producer()
-                break
-    if node is not None and node.op_type == "MatMul" and (w := _weight(node.inputs[1])) is not None and w.ndim == 2:
-        return _Projection(node.inputs[0], out, w, bias)
-    if node is not None and node.op_type == "Reshape":
-        gemm = node.inputs[0].producer()
-        first = gemm.inputs[0].producer() if gemm is not None and gemm.op_type == "Gemm" else None
-        if first is not None and first.op_type == "Reshape":
-            p = _gemm_after(first, first.inputs[0])
-            if p is not None:
-                return _Projection(first.inputs[0], out, p.weight, p.bias)
-    raise SurgeryError(f"cannot fuse block {layer}: {what} {out.name!r} is not a MatMul or Gemm with constant weights")

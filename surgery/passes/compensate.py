@@ -1,0 +1,83 @@
+"""compensate: parallel blocks whose output projections absorb a linear fix of the defect.
+
+Each chosen block is parallelized (ln2 reads resid_pre) and its Fix folded into the weights:
+
+    W_o    <- W_o (I + w_a)       b_o    <- b_o (I + w_a)
+    W_down <- W_down (I + w_p)    b_down <- b_down (I + w_p) + b
+
+so resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b with the ops of parallel(l)
+(plus one bias Add where the mlp projection had no bias and b is given). Products are taken in
+float64 and rounded once to the graph's dtype. New weights are new initializers: an external data
+file is never modified, and only the two projections of each chosen block are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import onnx_ir as ir
+
+from surgery import graph
+from surgery.blocks import FIX_KEY, branch_nodes, find_blocks
+from surgery.errors import SurgeryError
+from surgery.graph import values_by_name
+from surgery.passes import projection
+from surgery.passes.common import PASS_KEY, Change, Fix, SurgeryResult, check_layers, node_name, record, tag
+from surgery.passes.parallel import PASS as PARALLELIZE
+from surgery.passes.parallel import parallelize
+
+PASS = "compensate"
+
+
+def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
+    """Make each block in `fixes` a compensated parallel block (see the module docstring).
+
+    Raises SurgeryError for blocks that are fused, or parallel in the model as exported (there is
+    no sequential-to-parallel defect to fix there).
+    """
+    blocks = find_blocks(model)
+    chosen = check_layers(fixes, blocks)
+    fixes = {layer % len(blocks): fix for layer, fix in fixes.items()}
+    for block in blocks:
+        if block.layer not in chosen or block.fix is not None:
+            continue
+        if block.fused:
+            raise SurgeryError(f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model")
+        if block.is_parallel and not _made_parallel(model, block):
+            raise SurgeryError(
+                f"cannot compensate block {block.layer}: it is parallel in the model as exported, so it has no "
+                "sequential-to-parallel defect to fix; use `ablate --mode scale` to rescale a branch"
+            )
+    model = parallelize(model, chosen).model  # a copy; names of the block tensors are unchanged
+    g = model.graph
+    values = values_by_name(model)
+    dtype = graph.stream_dtype(model).numpy()
+    changes = []
+    for block in blocks:
+        if block.layer not in chosen:
+            continue
+        if block.fix is not None:
+            changes.append(Change(block.layer, f"already compensated ({block.fix})", applied=False))
+            continue
+        fix, layer = fixes[block.layer], block.layer
+        attn = projection.producing(values[block.attn_out], layer, "attn_out", why="compensate")
+        mlp = projection.producing(values[block.mlp_out], layer, "mlp_out", why="compensate")
+        w_o, b_o = fix.attn(attn.weight, attn.bias)
+        w_down, b_down = fix.mlp(mlp.weight, mlp.bias)
+        if fix.b is not None:
+            b_down = fix.b if b_down is None else b_down + fix.b
+        projection.set_weights(g, attn, w_o.astype(dtype), None if b_o is None else b_o.astype(dtype), node_name(PASS, layer, "o_proj"))
+        out = projection.set_weights(g, mlp, w_down.astype(dtype), None if b_down is None else b_down.astype(dtype), node_name(PASS, layer, "down_proj"))
+        for node in {attn.node, mlp.node, out.producer()}:
+            tag(node, PASS, layer)
+        mlp.node.metadata_props[FIX_KEY] = fix.describe()
+        changes.append(Change(layer, f"parallel, {fix.describe()}: fix folded into W_o and W_down"))
+    result = SurgeryResult(model, tuple(changes))
+    if result.changed_layers:
+        record(model, PASS, result.changed_layers, {"fixes": {str(c.layer): fixes[c.layer].describe() for c in changes if c.applied}})
+    return result
+
+
+def _made_parallel(model: ir.Model, block) -> bool:
+    """True when `parallelize` made this block parallel (its ln2 input was rewired), not the exporter."""
+    return any(n.metadata_props.get(PASS_KEY) == PARALLELIZE for n in branch_nodes(model, block, "mlp"))

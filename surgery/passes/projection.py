@@ -1,0 +1,137 @@
+"""Linear projections as the graph computes them: MatMul(x, W) [+ b], or Reshape-Gemm-Reshape (optimum's GPT-2).
+
+Passes that fold something into a block's weights find them here, and write new weights back as
+new initializers (the old ones, maybe on external data, are never modified).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from surgery.errors import SurgeryError
+
+
+@dataclasses.dataclass
+class Projection:
+    """out = input @ weight + bias, and where the weight and bias live in the graph."""
+
+    input: ir.Value
+    output: ir.Value
+    weight: np.ndarray  # [in, out]
+    bias: np.ndarray | None
+    node: ir.Node  # the MatMul or Gemm
+    transposed: bool = False  # Gemm with transB: the initializer holds weight.T
+    bias_site: tuple[ir.Node, int] | None = None  # (node, input index) of the bias constant
+
+
+def constant(value: ir.Value | None) -> np.ndarray | None:
+    """The array of a constant value (an initializer), else None."""
+    if value is None or value.const_value is None or value.shape is None:
+        return None
+    return value.const_value.numpy()
+
+
+def _bias_after(out: ir.Value) -> tuple[ir.Value, np.ndarray | None, tuple[ir.Node, int] | None]:
+    """If `out`'s only use is Add(out, 1-D constant), return that Add's output, the bias and its site."""
+    uses = out.uses()
+    if len(uses) == 1 and uses[0].node.op_type == "Add":
+        add = uses[0].node
+        other = add.inputs[1 - uses[0].idx]
+        bias = constant(other)
+        if bias is not None and bias.ndim == 1:
+            return add.outputs[0], bias, (add, 1 - uses[0].idx)
+    return out, None, None
+
+
+def reading(source: ir.Value, layer: int) -> list[Projection]:
+    """The linear projections reading `source` (an ln output); anything else is refused."""
+    found = []
+    for user, index in list(source.uses()):
+        if user.op_type == "MatMul" and index == 0 and (w := constant(user.inputs[1])) is not None and w.ndim == 2:
+            out, bias, site = _bias_after(user.outputs[0])
+            found.append(Projection(source, out, w, bias, user, bias_site=site))
+        elif user.op_type == "Reshape" and index == 0 and (p := _gemm_after(user, source)) is not None:
+            found.append(p)
+        else:
+            raise SurgeryError(
+                f"cannot fuse block {layer}: the ln output {source.name!r} feeds {user.op_type} {user.name!r}, "
+                "not a projection; use plain parallel (no --fuse)"
+            )
+    return found
+
+
+def _gemm_after(reshape: ir.Node, source: ir.Value) -> Projection | None:
+    """Reshape(source, [-1, d]) -> Gemm(., W, b) -> Reshape(., [batch, pos, k]): one projection."""
+    uses = reshape.outputs[0].uses()
+    if len(uses) != 1 or uses[0].node.op_type != "Gemm" or uses[0].idx != 0:
+        return None
+    gemm = uses[0].node
+    attrs = {k: a.value for k, a in gemm.attributes.items()}
+    w = constant(gemm.inputs[1])
+    if w is None or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+        return None
+    transposed = bool(attrs.get("transB", 0))
+    w = w.T if transposed else w
+    bias = constant(gemm.inputs[2]) if len(gemm.inputs) > 2 else None
+    site = (gemm, 2) if bias is not None else None
+    after = gemm.outputs[0].uses()
+    if len(after) != 1 or after[0].node.op_type != "Reshape":
+        return None
+    return Projection(source, after[0].node.outputs[0], w, bias, gemm, transposed, site)
+
+
+def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projection:
+    """The projection producing a branch output: MatMul(h, W) [+ b], or Reshape-Gemm-Reshape."""
+    node, bias, site = out.producer(), None, None
+    if node is not None and node.op_type == "Add":
+        for i in (0, 1):
+            b = constant(node.inputs[i])
+            if b is not None and b.ndim == 1:
+                bias, site, node = b, (node, i), node.inputs[1 - i].producer()
+                break
+    if node is not None and node.op_type == "MatMul" and (w := constant(node.inputs[1])) is not None and w.ndim == 2:
+        return Projection(node.inputs[0], out, w, bias, node, bias_site=site)
+    if node is not None and node.op_type == "Reshape":
+        gemm = node.inputs[0].producer()
+        first = gemm.inputs[0].producer() if gemm is not None and gemm.op_type == "Gemm" else None
+        if first is not None and first.op_type == "Reshape":
+            p = _gemm_after(first, first.inputs[0])
+            if p is not None:
+                return dataclasses.replace(p, input=first.inputs[0], output=out)
+    raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is not a MatMul or Gemm with constant weights")
+
+
+def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.ndarray | None, name: str) -> ir.Value:
+    """Give projection `p` a new weight [in, out] and bias [out] (new initializers named `name`/...).
+
+    Returns the value that now carries the projection's output: p.output, or a new bias Add when
+    the projection had no bias and `bias` is given. Old initializers left unused are dropped.
+    """
+    old = [p.node.inputs[1]] + ([p.bias_site[0].inputs[p.bias_site[1]]] if p.bias_site else [])
+    stored = weight.T if p.transposed else weight
+    p.node.replace_input_with(1, _initializer(graph, f"{name}/weight", stored))
+    out = p.output
+    if bias is not None and p.bias_site is not None:
+        node, index = p.bias_site
+        node.replace_input_with(index, _initializer(graph, f"{name}/bias", bias))
+    elif bias is not None:
+        uses = list(p.output.uses())
+        add = ir.node("Add", [p.output, _initializer(graph, f"{name}/bias", bias)], name=f"{name}/bias_add")
+        out = add.outputs[0]
+        out.name, out.type, out.shape = f"{name}/out", p.output.type, p.output.shape
+        for user, index in uses:
+            user.replace_input_with(index, out)
+        graph.insert_after(p.output.producer(), [add])
+    for value in old:
+        if value is not None and not value.uses() and value.name in graph.initializers:
+            del graph.initializers[value.name]
+    return out
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(array), name=name))
+    graph.register_initializer(value)
+    return value

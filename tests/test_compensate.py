@@ -1,0 +1,74 @@
+"""The compensate pass: a given fix (w_a, w_p, b) folded into W_o / W_down equals the hooked HF model
+that computes resid_pre + A + P + A w_a + P w_p + b, plain and fused."""
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from surgery import graph
+from surgery.blocks import find_blocks
+from surgery.errors import SurgeryError
+from surgery.passes import Fix, compensate, fuse, parallelize
+
+torch = pytest.importorskip("torch")
+
+from tests.reference import edited_logits  # noqa: E402
+from tests.test_passes import IDS, Exported, logits  # noqa: E402
+
+
+def planted(d: int, layers, seed: int = 3) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return {l: (0.1 * rng.standard_normal((d, d)), 0.1 * rng.standard_normal((d, d)), 0.1 * rng.standard_normal(d)) for l in layers}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2", "gpt_neox"])
+def tiny(request, tmp_path_factory):
+    return Exported(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("layers", [{1}, {0, 2}], ids=str)
+def test_folded_fix_equals_the_hooked_model(tiny, layers, fused):
+    d = tiny.torch.config.hidden_size
+    arrays = planted(d, layers)
+    fixes = {l: Fix(*a) for l, a in arrays.items()}
+    result = fuse(tiny.onnx, layers, fixes) if fused else compensate(tiny.onnx, fixes)
+    expected = edited_logits(tiny.torch, IDS, parallel=layers, fixes=arrays)
+    np.testing.assert_allclose(logits(result.model), expected, rtol=1e-4, atol=1e-4)
+    # the fix matters: without it the logits are those of the plain parallel model, far from these
+    assert np.abs(logits(parallelize(tiny.onnx, layers).model) - expected).max() > 1e-2
+    blocks = find_blocks(result.model)
+    assert [b.fix for b in blocks] == ["compensated" if b.layer in layers else None for b in blocks]
+    assert result.changed_layers == tuple(sorted(layers))
+
+
+def test_compensate_is_pure_idempotent_and_keeps_the_op_count(tiny):
+    d = tiny.torch.config.hidden_size
+    fixes = {l: Fix(*a) for l, a in planted(d, {0, 2}).items()}
+    before = ir.to_proto(tiny.onnx).SerializeToString()
+    once = compensate(tiny.onnx, fixes)
+    twice = compensate(once.model, fixes)
+    assert twice.changed_layers == () and all("already compensated" in c.what for c in twice.changes)
+    np.testing.assert_array_equal(logits(twice.model), logits(once.model))
+    assert ir.to_proto(tiny.onnx).SerializeToString() == before
+    plain = parallelize(tiny.onnx, {0, 2}).model
+    extra = len(once.model.graph) - len(plain.graph)  # one bias Add per block where the mlp had no bias
+    has_bias = tiny.torch.config.model_type in ("gpt2", "gpt_neox")
+    assert extra == (0 if has_bias else 2)
+    assert graph.history(once.model)[-1]["pass"] == "compensate"
+
+
+def test_gate_fix_is_the_calibrated_block(tiny):
+    alpha = {0: 0.7, 2: 1.3}
+    got = logits(compensate(tiny.onnx, {l: Fix.gate(a) for l, a in alpha.items()}).model)
+    expected = tiny.reference(parallel=set(alpha), branch_edits=[("mlp", "scale", {l}, a) for l, a in alpha.items()])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_parallel_families_and_fused_blocks_refuse_compensation(fixture_path):
+    with pytest.raises(SurgeryError, match="parallel in the model as exported"):
+        compensate(graph.load(fixture_path("gpt_neox_parallel")), {0: Fix.gate(0.9)})
+    fused = fuse(graph.load(fixture_path("llama")), {1}).model
+    with pytest.raises(SurgeryError, match="block 1: it is fused"):
+        compensate(fused, {1: Fix.gate(0.9)})
+    assert compensate(fused, {0: Fix.gate(0.9)}).changed_layers == (0,)
