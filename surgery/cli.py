@@ -136,7 +136,7 @@ def inspect(
         table.add_column(column, overflow="fold")
     for b in facts.blocks:
         table.add_row(
-            str(b.layer), b.form, b.ln_kind, b.mlp_kind, b.resid_pre, b.attn_out, b.resid_mid or "-", b.mlp_out, b.resid_post
+            str(b.layer), f"{b.form} ({b.fix})" if b.fix else b.form, b.ln_kind, b.mlp_kind, b.resid_pre, b.attn_out, b.resid_mid or "-", b.mlp_out, b.resid_post
         )
     out.print(table)
 
@@ -146,16 +146,20 @@ def parallelize(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).")],
     layers: Annotated[str, typer.Option(help="Blocks to rewrite: `auto` (chosen by defect score and measured dNLL), `all`, or e.g. `3-7,12`, `-1`.")] = "auto",
+    compensate: Annotated[Optional[bool], typer.Option("--compensate/--no-compensate", help="Fold a least-squares fix of each block's defect into W_o and W_down (default: on for auto, off for explicit --layers).")] = None,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Fix each block with the paper's scalar gate alpha_l instead of the least-squares fix.")] = False,
     fuse: Annotated[bool, typer.Option("--fuse", help="One normalisation and two MatMuls per block, ln scales folded into the weights.")] = False,
-    calibrate: Annotated[bool, typer.Option("--calibrate", help="Scale each parallel block's mlp output by its least-squares gate alpha_l.")] = False,
-    max_loss_increase: Annotated[float, typer.Option(help="auto: largest dNLL (nats, calibration windows) the chosen set may cost.")] = 0.02,
+    max_loss_increase: Annotated[float, typer.Option(help="auto: largest dNLL (nats, selection windows) the chosen set may cost.")] = 0.02,
     max_layers: Annotated[Optional[int], typer.Option(help="auto: choose at most this many blocks.")] = None,
     protect_first: Annotated[int, typer.Option(help="auto: never choose the first N blocks.")] = 0,
     protect_last: Annotated[int, typer.Option(help="auto: never choose the last N blocks.")] = 0,
-    score: Annotated[str, typer.Option(help="auto: ranking score, `c_stream` or `c`.")] = "c_stream",
-    data: Annotated[Optional[str], typer.Option(help="Corpus for auto and --calibrate: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
+    score: Annotated[Optional[str], typer.Option(help="auto: ranking score, `c_comp` (default when compensating), `c_stream` (default otherwise) or `c`.")] = None,
+    try_both_forms: Annotated[bool, typer.Option("--try-both-forms", help="auto: try every candidate compensated and plain and keep the better (twice the trials).")] = False,
+    refit: Annotated[bool, typer.Option("--refit", help="auto: refit the chosen blocks' fixes with all chosen blocks in place; kept if the selection dNLL drops.")] = False,
+    data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
-    windows: Annotated[int, typer.Option(help="Calibration windows (scores, alpha, greedy dNLL).")] = 4,
+    fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 32,
+    windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy dNLL checks (disjoint from the fit windows).")] = 8,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
     repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 20,
@@ -163,24 +167,29 @@ def parallelize(
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""
+    """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
+    by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
     from surgery import runtime, select
 
+    if calibrate and compensate is False:
+        raise SurgeryError("--calibrate is a form of compensation (the scalar gate); drop --no-compensate or --calibrate")
+    explicit = layers.strip().lower() != "auto"
+    fit = "gate" if calibrate else ("full" if (compensate if compensate is not None else not explicit) else None)
     options = runtime.Options(threads=threads)
-    if layers.strip().lower() != "auto":
+    if explicit:
         def apply(m, chosen):
-            alpha = None
-            if calibrate:
-                alpha = select.gates(m, model, chosen, corpus=data, seq_len=seq_len, windows=windows, tokenizer=tokenizer, options=options)
-            return select.rewrite(m, chosen, fused=fuse, alpha=alpha)
+            fixes = None
+            if fit is not None:
+                fixes = select.fit_fixes(m, model, chosen, fit=fit, corpus=data, seq_len=seq_len, fit_windows=fit_windows, tokenizer=tokenizer, options=options)
+            return select.rewrite(m, chosen, fused=fuse, fixes=fixes)
 
         _rewrite(model, out_path, layers, as_json, apply)
         return
     with _progress() as tell:
         outcome, written = select.auto(
-            model, out_path, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, score=score,
-            max_loss_increase=max_loss_increase, max_layers=max_layers, protect_first=protect_first,
-            protect_last=protect_last, fused=fuse, calibrate=calibrate, measure_latency=latency, repeats=repeats,
+            model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
+            fit=fit, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers, protect_first=protect_first,
+            protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
             tokenizer=tokenizer, options=options, progress=tell,
         )
     if as_json:
@@ -189,17 +198,28 @@ def parallelize(
     from surgery.layers import format_layers
 
     sel = outcome.selection
+    forms = {f: sum(1 for v in sel.forms.values() if v == f) for f in ("compensated", "plain")}
+    split = f": {forms['compensated']} compensated, {forms['plain']} plain" if sel.fit else ""
+    w = outcome.windows
+    fit_line = f"1 fit pass over {w['fit']['count']} fit windows{' + 1 refit' if sel.refit else ''}, " if sel.fit else ""
     lines = [
-        ("chosen layers", f"{format_layers(sel.layers)} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks; form {outcome.form})"),
-        ("ranked by", f"{sel.score}, lowest first; {len(sel.trials)} candidates tried, {sum(t.kept for t in sel.trials)} kept"),
-        ("forward passes", f"{sel.forward_passes} over the calibration windows: 1 for all scores, 1 baseline, {len(sel.trials)} candidates"),
-        ("dNLL calibration", f"{sel.dnll:+.4f} nats (limit {max_loss_increase})"),
-        ("dNLL evaluation", f"{outcome.dnll_eval:+.4f} nats on {outcome.eval_tokens} held-out tokens (base loss {outcome.base_loss_eval:.4f})"),
+        ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
+        ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} candidates, {len(sel.trials)} trials, {len(sel.layers)} kept"),
+        ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial)"),
+        ("dNLL selection", f"{sel.dnll} nats (95 % interval; limit {max_loss_increase} on the point estimate)"),
+    ]
+    if sel.refit:
+        r = sel.refit
+        lines.append(("refit", f"{r['dnll_before']['dnll']:+.4f} -> {r['dnll_after']['dnll']:+.4f} on the selection windows: {'kept' if r['kept'] else 'not kept'}"))
+    lines += [
+        ("dNLL evaluation", f"{outcome.dnll_eval} nats on {outcome.eval_tokens} held-out tokens (base loss {outcome.base_loss_eval:.4f})"),
         ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times)"),
     ]
     if outcome.prefill_ratio is not None:
         decode = f", decode {outcome.decode_ratio:.3f}x" if outcome.decode_ratio else ""
         lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
+    seconds = ", ".join(f"{k} {v:.0f} s" for k, v in sel.seconds.items())
+    lines.append(("time", seconds))
     lines.append(("written", f"{written} (+ selection.json)"))
     for key, value in lines:
         out.print(f"[bold]{key:>17}[/]  {escape(value)}", highlight=False)

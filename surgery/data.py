@@ -48,6 +48,26 @@ class Windows:
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
+    def take(self, indices, name: str | None = None) -> "Windows":
+        indices = np.asarray(indices, dtype=np.int64)
+        return Windows(self.ids[indices], self.score_from[indices], self.starts[indices], name or self.name)
+
+
+def deal(windows: Windows, sizes: list[int], names: list[str]) -> list[Windows]:
+    """Split `windows` into disjoint parts of the given sizes, dealt in turn (so each part spans the
+    corpus as the windows do). Needs len(windows) >= sum(sizes); any rest is left out."""
+    total = sum(sizes)
+    if len(windows) < total:
+        raise SurgeryError(
+            f"{windows.name} has {len(windows)} windows, fewer than the {total} asked for ({' + '.join(map(str, sizes))}); "
+            "use a bigger corpus or fewer windows"
+        )
+    owners: list[list[int]] = [[] for _ in sizes]
+    for i in range(total):  # the part furthest behind its share takes the next window
+        k = max(range(len(sizes)), key=lambda j: sizes[j] * (i + 1) / total - len(owners[j]))
+        owners[k].append(i)
+    return [windows.take(idx, f"{windows.name}, {name}") for idx, name in zip(owners, names)]
+
 
 def default_corpus() -> str:
     """The English text of `pydoc_data.topics` (shipped with every CPython), joined in sorted key order."""

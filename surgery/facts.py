@@ -51,7 +51,7 @@ def describe(path: str | Path) -> ModelFacts:
     model = graph.load(file)
     blocks = find_blocks(model, where=str(file))
     forms = {b.form for b in blocks}
-    table = _embedding_table(model)
+    table = embedding_table(model)
     return ModelFacts(
         path=str(file),
         n_layers=len(blocks),
@@ -71,7 +71,7 @@ def describe(path: str | Path) -> ModelFacts:
     )
 
 
-def _embedding_table(model: ir.Model) -> tuple[int, int] | None:
+def embedding_table(model: ir.Model) -> tuple[int, int] | None:
     """(vocab, d_model) from the token embedding: a Gather from a 2-D weight by a graph input."""
     for node in model.graph:
         table, ids = node.inputs[0] if node.inputs else None, node.inputs[1] if len(node.inputs) > 1 else None

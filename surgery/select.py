@@ -1,131 +1,242 @@
-"""--layers auto: choose the sequential blocks to make parallel, greedily, by a one-pass defect score.
+"""--layers auto: choose the sequential blocks to make parallel, greedily, by a one-pass score.
 
-Rank sequential blocks by the score (lowest first; C_l^stream by default, the better predictor of
-single-layer dNLL on SmolLM2-135M: Spearman 0.67 vs 0.52 for C_l, benchmarks/RESULTS.md), then add
-them one at a time, measuring the dNLL of the whole chosen set on the calibration windows; keep a
-block while that stays within max_loss_increase, skip it otherwise, stop at max_layers.
-Cost: one probe pass for all scores, one baseline pass, one pass per candidate tried, each over
-the calibration windows, all in one switchboard session.
+With compensation (the default), one streamed pass over the fit windows fits every block's fix
+(surgery.compensation) and gives every score: C_l, C_l^stream, alpha_l and C_l^comp, the fixed
+block's held-out defect. Blocks are ranked by the score (lowest first: C_l^comp when compensating,
+C_l^stream otherwise) and added one at a time, measuring the dNLL of the whole chosen set on the
+selection windows, which are disjoint from the fit windows and from the evaluation windows.
+A candidate is tried compensated first; plain is tried after it when that misses the budget and
+the fit did not lower the held-out defect (residual fraction >= 1), so a bad fit costs one try;
+with try_both every candidate is tried in both forms and the better passing one is kept. It is kept while the chosen set's dNLL
+stays within max_loss_increase. With refit, the chosen blocks' fixes are then fitted again with
+every chosen block in place, and the refitted fixes are kept if the selection dNLL goes down.
+All trials run in one switchboard session; a refit builds a second one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import data, evaluate, graph, runtime
+from surgery import compensation, data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
+from surgery.compensation import KINDS, Fit
 from surgery.data import Windows
 from surgery.diagnostics import defect, graphs
 from surgery.errors import SurgeryError
-from surgery.passes import Fix, fuse, parallelize, project
+from surgery.evaluate import Delta
+from surgery.passes import Fix, compensate, fuse, parallelize
 
-SCORES = ("c_stream", "c")
+SCORES = ("c_comp", "c_stream", "c")
+FITS = ("full", "gate")  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate)
 Progress = Callable[[str, int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
     layer: int
+    form: str  # "compensated" or "plain"
     score: float
-    dnll: float  # of the chosen set plus this layer, calibration windows
+    dnll: float  # of the chosen set plus this layer in this form, selection windows
+    low: float  # 95 % paired bootstrap interval over the selection windows
+    high: float
     kept: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
     layers: tuple[int, ...]
+    forms: dict[int, str]  # layer -> "compensated" or "plain"
     score: str
+    fit: str | None  # "full", "gate", or None (no compensation)
     c: tuple[float | None, ...]
     c_stream: tuple[float | None, ...]
+    c_comp: tuple[float | None, ...]
     alpha: tuple[float | None, ...]
+    fits: dict[int, Fit]
     trials: tuple[Trial, ...]
-    base_loss: float  # calibration windows
-    dnll: float  # of the chosen set, calibration windows
-    forward_passes: int  # over the calibration windows: scores + baseline + one per candidate
+    base_loss: float  # selection windows
+    dnll: Delta  # of the chosen set, selection windows
+    refit: dict | None  # what the sequential refit did, when asked for
+    fit_passes: int  # over the fit windows
+    forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
+    seconds: dict[str, float]
+
+    @property
+    def fixes(self) -> dict[int, Fix]:
+        """The fix of each block chosen in compensated form."""
+        return {l: self.fits[l].fix for l in self.layers if self.forms[l] == "compensated"}
+
+    def to_json(self) -> dict:
+        blocks = []
+        for layer in range(len(self.c)):
+            if self.c[layer] is None:
+                continue
+            fit = self.fits.get(layer)
+            blocks.append({
+                "layer": layer,
+                "form": self.forms.get(layer, "sequential"),
+                "c": self.c[layer], "c_stream": self.c_stream[layer], "c_comp": self.c_comp[layer], "alpha": self.alpha[layer],
+                "fit": None if fit is None else {k: v for k, v in fit.to_json().items() if k != "scores"},
+                "trials": [dataclasses.asdict(t) for t in self.trials if t.layer == layer],
+            })
+        return {
+            "layers": list(self.layers), "forms": {str(k): v for k, v in sorted(self.forms.items())},
+            "score": self.score, "fit": self.fit, "base_loss": self.base_loss, "dnll": self.dnll.to_json(),
+            "refit": self.refit, "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
+            "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
+        }
 
 
 def select_layers(
     model: ir.Model,
     windows: Windows,
     *,
-    score: str = "c_stream",
+    fit_windows: Windows | None = None,
+    fit: str | None = "full",
+    score: str | None = None,
     max_loss_increase: float = 0.02,
     max_layers: int | None = None,
     protect_first: int = 0,
     protect_last: int = 0,
+    try_both: bool = False,
+    refit: bool = False,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
 ) -> Selection:
-    """Greedy selection of blocks to parallelize (see the module docstring)."""
+    """Greedy selection of blocks to parallelize (see the module docstring). `windows` are the
+    selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted."""
+    score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
         raise SurgeryError(f"unknown score {score!r}; use one of {', '.join(SCORES)}")
+    if fit is not None and fit not in FITS:
+        raise SurgeryError(f"unknown fit {fit!r}; use one of {', '.join(FITS)}")
+    if fit is None and score == "c_comp":
+        raise SurgeryError("score c_comp needs compensation; use c_stream or c with --no-compensate")
+    if fit is not None and fit_windows is None:
+        raise SurgeryError("compensation needs fit windows, disjoint from the selection windows")
     tell = progress or (lambda stage, done, total: None)
     blocks = find_blocks(model)
     n = len(blocks)
-    stats = defect.scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    if fit is not None:
+        fits = compensation.fit(model, fit_windows, kind=fit, options=options, progress=lambda d, t: tell("fit (one pass)", d, t))
+        stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
+        stats["c_comp"] = [fits[l].c_comp if l in fits else None for l in range(n)]
+    else:
+        fits = {}
+        stats = defect.scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
+        stats["c_comp"] = [None] * n
+    seconds["fit" if fit else "scores"] = time.perf_counter() - start
+
+    start = time.perf_counter()
     candidates = [
         b.layer for b in blocks
         if not b.is_parallel and protect_first <= b.layer < n - protect_last and stats[score][b.layer] is not None
     ]
     candidates.sort(key=lambda layer: stats[score][layer])
-    kinds = [("parallel",)]
-    scorer = evaluate.Scorer(graphs.switchboard(model, kinds), options)
+    fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
+    scorer = evaluate.Scorer(graphs.switchboard(model, KINDS, fixes), options)
+    passes = 0
 
-    def loss(layers) -> float:
-        return scorer(windows, extra={graphs.SWITCHES: graphs.switches(kinds, n, {kinds[0]: set(layers)})}).loss
+    def loss(forms: dict[int, str], scorer=scorer) -> evaluate.Perplexity:
+        nonlocal passes
+        passes += 1
+        on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
+        return scorer(windows, batch_size=4, extra={graphs.SWITCHES: graphs.switches(KINDS, n, on)})
 
-    base = loss(())
-    chosen: list[int] = []
+    base = loss({})
+    chosen: dict[int, str] = {}
     trials: list[Trial] = []
-    dnll = 0.0
+    current, current_loss = Delta(0.0, 0.0, 0.0), base
     for i, layer in enumerate(candidates):
         if max_layers is not None and len(chosen) >= max_layers:
             break
-        trial = loss(chosen + [layer]) - base
-        kept = trial <= max_loss_increase
-        trials.append(Trial(layer, float(stats[score][layer]), trial, kept))
-        if kept:
-            chosen.append(layer)
-            dnll = trial
+        passing = []
+        for form in _forms(layer, fits, try_both):
+            result = loss({**chosen, layer: form})
+            d = evaluate.delta(base, result)
+            trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False))
+            if d.dnll <= max_loss_increase:
+                passing.append((d.dnll, form, d, result, len(trials) - 1))
+                if not try_both:
+                    break
+        if passing:
+            _, form, current, current_loss, index = min(passing, key=lambda p: p[0])
+            chosen[layer] = form
+            trials[index] = dataclasses.replace(trials[index], kept=True)
         tell("greedy selection", i + 1, len(candidates))
+    seconds["selection"] = time.perf_counter() - start
+
+    refit_report = None
+    compensated = {l for l, f in chosen.items() if f == "compensated"}
+    if refit and compensated:
+        start = time.perf_counter()
+        on = {KINDS[0]: set(chosen), KINDS[1]: compensated}
+        again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options,
+                                 progress=lambda d, t: tell("refit (one pass)", d, t))
+        new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
+        new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
+        result = loss(chosen, evaluate.Scorer(graphs.switchboard(model, KINDS, new_fixes), options))
+        d = evaluate.delta(base, result)
+        kept = d.dnll < current.dnll
+        refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(), "kept": kept}
+        if kept:
+            fits, current = new_fits, d
+        seconds["refit"] = time.perf_counter() - start
     return Selection(
         layers=tuple(sorted(chosen)),
+        forms=dict(sorted(chosen.items())),
         score=score,
+        fit=fit,
         c=tuple(stats["c"]),
         c_stream=tuple(stats["c_stream"]),
+        c_comp=tuple(stats["c_comp"]),
         alpha=tuple(stats["alpha"]),
+        fits=fits,
         trials=tuple(trials),
-        base_loss=base,
-        dnll=dnll,
-        forward_passes=2 + len(trials),
+        base_loss=base.loss,
+        dnll=current,
+        refit=refit_report,
+        fit_passes=(1 if fit else 0) + (1 if refit_report else 0),
+        forward_passes=passes,
+        seconds=seconds,
     )
 
 
-def gates(model: ir.Model, model_path, layers, *, corpus=None, seq_len=256, windows=4, tokenizer=None, options=runtime.Options()) -> dict[int, float]:
-    """alpha_l of the given sequential blocks, from one probe pass over the calibration windows."""
-    cal = data.windows(model_path, corpus, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
-    alpha = defect.scores(model, cal, options)["alpha"]
-    return {layer: alpha[layer] for layer in layers if alpha[layer] is not None}
+def _forms(layer: int, fits: dict[int, Fit], try_both: bool) -> tuple[str, ...]:
+    """The forms to try for a candidate, in order. Compensated first when it has a fix; plain after
+    it only with try_both, or when the fit does not lower the held-out defect (a bad fit)."""
+    f = fits.get(layer)
+    if f is None or f.fix is None:
+        return ("plain",)
+    return ("compensated", "plain") if try_both or f.residual is None or f.residual >= 1.0 else ("compensated",)
 
 
-def rewrite(model: ir.Model, layers, *, fused: bool = False, alpha: dict[int, float] | None = None):
-    """Make `layers` parallel: plain (ln2 reads resid_pre) or fused; with `alpha`, scale each one's
-    mlp output by alpha_l (the calibrated parallel block). Returns a SurgeryResult."""
+def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=32,
+              tokenizer=None, options=runtime.Options()) -> dict[int, Fix]:
+    """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers)."""
+    windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
+    fits = compensation.fit(model, windows, set(layers), kind=fit, options=options)
+    return {l: f.fix for l, f in fits.items() if f.fix is not None}
+
+
+def rewrite(model: ir.Model, layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
+    """Make `layers` parallel, plain (ln2 reads resid_pre) or fused; the layers in `fixes` get their
+    fix folded into the output projections (compensated, or calibrated with Fix.gate). Returns a SurgeryResult."""
+    fixes = {l: f for l, f in (fixes or {}).items() if l in set(layers)}
     if fused:
-        return fuse(model, layers, {l: Fix.gate(a) for l, a in (alpha or {}).items()})
-    result = parallelize(model, layers)
-    changes = {c.layer: c for c in result.changes}
-    for layer, factor in sorted((alpha or {}).items()):
-        scaled = project(result.model, "mlp", "scale", {layer}, factor)
-        result = dataclasses.replace(result, model=scaled.model)
-        what = changes[layer].what if changes[layer].applied else "parallel"
-        changes[layer] = dataclasses.replace(changes[layer], what=f"{what}, mlp_out x alpha {factor:.4f}", applied=True)
-    return dataclasses.replace(result, changes=tuple(changes[l] for l in sorted(changes)))
+        return fuse(model, layers, fixes)
+    first = compensate(model, fixes) if fixes else None
+    rest = parallelize(first.model if first else model, [l for l in layers if l not in fixes])
+    changes = {c.layer: c for c in (first.changes if first else ()) + rest.changes}
+    return dataclasses.replace(rest, changes=tuple(changes[l] for l in sorted(changes)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,18 +244,21 @@ class Outcome:
     """What `surgery parallelize --layers auto` reports and writes to selection.json."""
 
     selection: Selection
-    form: str  # "plain", "fused", "calibrated", "fused calibrated"
+    form: str  # "plain", "compensated", "calibrated", each maybe "fused ..."
     base_loss_eval: float
-    dnll_eval: float
+    dnll_eval: Delta  # held-out evaluation windows, 95 % paired bootstrap interval
     eval_tokens: int
     estimated_speedup: float  # the paper's max(t_attn, t_mlp) estimate, from per-branch kernel times
     prefill_ratio: float | None  # original / rewritten, one interleaved run
     decode_ratio: float | None
     latency: dict | None
+    windows: dict  # fit / selection / evaluation: count and tokens
 
     def to_json(self) -> dict:
-        data = dataclasses.asdict(self)
-        data["selection"]["trials"] = [dataclasses.asdict(t) for t in self.selection.trials]
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["selection"] = self.selection.to_json()
+        data["dnll_eval"] = self.dnll_eval.dnll
+        data["dnll_eval_interval"] = [self.dnll_eval.low, self.dnll_eval.high]
         return data
 
 
@@ -154,47 +268,60 @@ def auto(
     *,
     corpus=None,
     seq_len: int = 256,
-    windows: int = 4,
+    windows: int = 8,
+    fit_windows: int = 32,
     eval_windows: int = 8,
-    score: str = "c_stream",
+    fit: str | None = "full",
+    score: str | None = None,
     max_loss_increase: float = 0.02,
     max_layers: int | None = None,
     protect_first: int = 0,
     protect_last: int = 0,
     fused: bool = False,
-    calibrate: bool = False,
+    try_both: bool = False,
+    refit: bool = False,
     measure_latency: bool = True,
     repeats: int = 20,
     tokenizer=None,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
 ) -> tuple[Outcome, Path]:
-    """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path."""
+    """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path.
+
+    Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
+    dNLL checks); the reported dNLL is on the disjoint evaluation windows.
+    """
     tell = progress or (lambda stage, done, total: None)
     model = graph.load(model_path)
-    cal = data.windows(model_path, corpus, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
-    ev = data.windows(model_path, corpus, seq_len=seq_len, max_windows=eval_windows, part="evaluation", tokenizer=tokenizer)
+    find_blocks(model, where=str(model_path))
+    get = lambda part, count: data.windows(model_path, corpus, seq_len=seq_len, max_windows=count, part=part, tokenizer=tokenizer)  # noqa: E731
+    if fit is not None:
+        fit_part, sel = data.deal(get("calibration", fit_windows + windows), [fit_windows, windows], ["fit", "selection"])
+    else:
+        fit_part, sel = None, get("calibration", windows)
+    ev = get("evaluation", eval_windows)
     selection = select_layers(
-        model, cal, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers,
-        protect_first=protect_first, protect_last=protect_last, options=options, progress=tell,
+        model, sel, fit_windows=fit_part, fit=fit, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers,
+        protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
     )
-    alpha = {l: selection.alpha[l] for l in selection.layers} if calibrate else None
-    rewritten = rewrite(model, selection.layers, fused=fused, alpha=alpha).model
-    # The original runs from its file: no re-serialisation of an unchanged model.
+    rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
+    written = graph.write(rewritten, out, like=model_path)
+    # Both graphs run from their files: no re-serialisation of a model in memory.
     base = evaluate.perplexity(model_path, ev, options=options, progress=lambda n: tell("evaluation windows", n, 2 * len(ev)))
-    after = evaluate.perplexity(rewritten, ev, options=options)
+    after = evaluate.perplexity(written, ev, options=options)
     tell("evaluation windows", 2 * len(ev), 2 * len(ev))
     estimate = evaluate.branch_times(model, seq_len=seq_len).estimated_speedup(selection.layers)
     prefill = decode = timing = None
     if measure_latency:
-        timed = evaluate.latency([model_path, rewritten], seq_len=seq_len, repeats=repeats, options=options,
+        timed = evaluate.latency([model_path, written], seq_len=seq_len, repeats=repeats, options=options,
                                  progress=lambda n: tell("latency (interleaved)", n, repeats))
         prefill = timed[0].prefill_ms / timed[1].prefill_ms
         decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None
         timing = {"original": dataclasses.asdict(timed[0]), "rewritten": dataclasses.asdict(timed[1])}
-    form = " ".join(w for w, on in (("fused", fused), ("calibrated", calibrate)) if on) or "plain"
-    outcome = Outcome(selection, form, base.loss, after.loss - base.loss, ev.tokens, estimate, prefill, decode, timing)
-    written = graph.write(rewritten, out, like=model_path)
+    kinds = {"full": "compensated", "gate": "calibrated", None: "plain"}
+    form = ("fused " if fused else "") + kinds[fit]
+    described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
+    outcome = Outcome(selection, form, base.loss, evaluate.delta(base, after), ev.tokens, estimate, prefill, decode, timing, described)
     report = written.parent / "selection.json" if Path(model_path).is_dir() else written.with_suffix(".selection.json")
     partial = report.with_name(f".{report.name}.partial")
     partial.write_text(json.dumps(outcome.to_json(), indent=2))

@@ -4,8 +4,11 @@
   sequential block, also evaluates its ln2 + mlp a second time on resid_pre ("twin"), so the
   sequential-to-parallel defect of all layers comes from one forward pass.
 - switchboard: one graph whose input `surgery_switches` [kinds, n_layers] turns, per layer and at
-  run time, the parallel form or a branch edit on (> 0.5) or off, choosing exactly with Where. One
-  session then measures every single-layer rewrite.
+  run time, the parallel form, a compensation fix or a branch edit on (> 0.5) or off, choosing
+  exactly with Where. One session then measures every single-layer rewrite, or any set of them.
+  With `fit_taps`, it also outputs what the compensation fit needs at every sequential block,
+  whatever the switches: attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and
+  resid_post (each block's mlp is evaluated a second time on the input its branch does not read).
 - field: one block's mlp(ln2(z)) for any z, for the critical points of the mlp field.
 """
 
@@ -52,8 +55,20 @@ def probe(model: ir.Model, tensors=TENSORS, twin: bool = True) -> Probe:
     return Probe(tapped, tuple(outputs))
 
 
-def switchboard(model: ir.Model, kinds: list[tuple[str, ...]]) -> ir.Model:
-    """A graph with per-layer run-time switches. kinds: ("parallel",) or (branch, mode) as in `project`."""
+def fit_tap(layer: int, what: str) -> str:
+    """Output name of a fit tap: what is attn_out, mlp_x (P), delta or resid_post."""
+    return f"surgery/fit/blocks.{layer}/{what}"
+
+
+def switchboard(
+    model: ir.Model, kinds: list[tuple[str, ...]], fixes: dict | None = None, fit_taps: bool = False
+) -> ir.Model:
+    """A graph with per-layer run-time switches.
+
+    kinds: ("parallel",), ("compensated",) or (branch, mode) as in `project`. "compensated" adds
+    fixes[layer] (a passes.Fix) to the mlp output when on: attn_out w_a + mlp_out w_p + b; switch
+    "parallel" on too for the compensated parallel block. fit_taps needs ("parallel",) in kinds.
+    """
     blocks = find_blocks(model)
     model = model.clone()
     g = model.graph
@@ -74,8 +89,22 @@ def switchboard(model: ir.Model, kinds: list[tuple[str, ...]]) -> ir.Model:
                 if block.is_parallel:
                     continue
                 mid, pre = values[block.resid_mid], values[block.resid_pre]
+                mlp = branch_nodes(model, block, "mlp")
+                if fit_taps:
+                    _add_fit_taps(g, block, mlp, values, on, prefix)
                 chosen = _op(g, "Where", [on, pre, mid], f"{prefix}/mlp_in")
-                redirect(g, branch_nodes(model, block, "mlp"), mid, chosen, block.layer, "switchboard")
+                redirect(g, mlp, mid, chosen, block.layer, "switchboard")
+            elif kind == ("compensated",):
+                fix = (fixes or {}).get(block.layer)
+                if fix is None or block.is_parallel:
+                    continue
+                current = feeding.get((block.layer, "mlp"), values[block.mlp_out])
+                fixed = _fixed(g, current, values[block.attn_out], values[block.mlp_out], fix, prefix, dtype)
+                chosen = _op(g, "Where", [on, fixed, current], f"{prefix}/chosen")
+                for user, i in list(current.uses()):
+                    if user.op_type == "Add" and user is not fixed.producer() and not user.name.startswith(prefix):
+                        user.replace_input_with(i, chosen)
+                feeding[(block.layer, "mlp")] = chosen
             else:
                 branch, mode = kind
                 out = values[block.mlp_out if branch == "mlp" else block.attn_out]
@@ -90,6 +119,40 @@ def switchboard(model: ir.Model, kinds: list[tuple[str, ...]]) -> ir.Model:
                 feeding[(block.layer, branch)] = chosen
     g.sort()
     return model
+
+
+def _add_fit_taps(g: ir.Graph, block: BlockMap, mlp: set[ir.Node], values, on: ir.Value, prefix: str) -> None:
+    """Outputs attn_out, mlp_x, delta, resid_post of a sequential block, with its parallel switch `on` or off."""
+    mid, pre = values[block.resid_mid], values[block.resid_pre]
+    other = _op(g, "Where", [on, mid, pre], f"{prefix}/twin_in")  # the input the mlp branch does not read
+    twin = _copy(g, mlp, {mid: other}, f"{prefix}/twin")[values[block.mlp_out]]
+    own = values[block.mlp_out]
+    on_mid = _op(g, "Where", [on, twin, own], f"{prefix}/mlp_h")
+    on_pre = _op(g, "Where", [on, own, twin], fit_tap(block.layer, "mlp_x"))
+    delta = _op(g, "Sub", [on_mid, on_pre], fit_tap(block.layer, "delta"))
+    dtype = values[block.resid_pre].type
+    for what, value in (("attn_out", values[block.attn_out]), ("resid_post", values[block.resid_post])):
+        value = _op(g, "Identity", [value], fit_tap(block.layer, what))
+        value.type = dtype
+        g.outputs.append(value)
+    for value in (on_pre, delta):
+        value.type = dtype
+        g.outputs.append(value)
+
+
+def _fixed(g: ir.Graph, current: ir.Value, attn_out: ir.Value, mlp_out: ir.Value, fix, prefix: str, dtype) -> ir.Value:
+    """current + attn_out w_a + mlp_out w_p + b (terms that are None left out)."""
+    total = current
+    if fix.w_a is not None:
+        w = _const(g, f"{prefix}/w_a", np.asarray(fix.w_a, dtype))
+        total = _op(g, "Add", [total, _op(g, "MatMul", [attn_out, w], f"{prefix}/attn_fix")], f"{prefix}/plus_attn_fix")
+    if fix.w_p is not None:
+        w = _const(g, f"{prefix}/w_p", np.asarray(fix.w_p, dtype))
+        term = _op(g, "Mul" if np.ndim(fix.w_p) == 0 else "MatMul", [mlp_out, w], f"{prefix}/mlp_fix")
+        total = _op(g, "Add", [total, term], f"{prefix}/plus_mlp_fix")
+    if fix.b is not None:
+        total = _op(g, "Add", [total, _const(g, f"{prefix}/b", np.asarray(fix.b, dtype))], f"{prefix}/plus_b")
+    return total
 
 
 def switches(kinds: list[tuple[str, ...]], n_layers: int, on: dict[tuple[str, ...], set[int]] | None = None) -> np.ndarray:

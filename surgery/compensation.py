@@ -1,0 +1,232 @@
+"""The compensation fit: a ridge least-squares fix of each block's sequential-to-parallel defect.
+
+For a sequential block, A = attn_out, P = mlp(ln2(resid_pre)) and delta = mlp(ln2(resid_mid)) - P
+on calibration tokens. Fit delta ~ A w_a + P w_p + b, i.e. delta ~ z W with z = [A, P, 1]:
+
+    W = (Z'Z + ridge * diag(Z'Z))^-1 Z'delta        (float64)
+
+The normal equations are accumulated in one streamed pass of the switchboard graph with fit taps,
+so any set of already chosen blocks can be in place (switched on) while fitting others: the
+sequential refit. Windows alternate between two folds; the ridge strength is the one whose fit on
+fold 0 leaves the least defect energy on fold 1, and the final fit uses both folds. Per layer it
+reports the held-out residual fraction E|delta - fit|^2 / E|delta|^2 (fold 1, fold-0 fit) and the
+one-pass score C_l^comp = E|delta - fit|^2 / E|y|^2.
+
+Memory: each layer's sums take 2 (2d + 1)(3d + 1) doubles: 32 MB at d_model 576, 1.6 GB at 4096.
+Layers are fitted in chunks that stay within `memory_bytes` (one pass over the windows per chunk,
+at least one layer per chunk), so the bound is max(memory_bytes, one layer's sums).
+Token 0 (the attention sink) is left out, as in every diagnostic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from surgery import runtime
+from surgery.blocks import find_blocks
+from surgery.data import Windows
+from surgery.diagnostics import graphs
+from surgery.errors import SurgeryError
+from surgery.facts import embedding_table
+from surgery.passes import Fix
+
+RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # times diag(Z'Z)
+MEMORY_BYTES = 2 << 30
+KINDS = [("parallel",), ("compensated",)]  # the switchboard kinds every fit and trial uses
+Progress = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """One block's fitted fix and how well it generalises. fix is None when the fit failed (note says why)."""
+
+    layer: int
+    fix: Fix | None
+    ridge: float | None
+    residual: float | None  # held-out E|delta - fit|^2 / E|delta|^2
+    c_comp: float | None  # held-out E|delta - fit|^2 / E|y|^2
+    c_stream: float  # E|delta|^2 / E|y|^2 on the fit windows (the uncompensated score)
+    tokens: int
+    note: str = ""
+    scores: dict = dataclasses.field(default_factory=dict)  # c, c_stream, alpha on the fit windows
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fix"}
+
+
+class NormalEquations:
+    """One block's running sums for delta ~ [A, P, 1] W, per fold, in float64."""
+
+    def __init__(self, d_model: int):
+        k = 2 * d_model + 1
+        self.zz = np.zeros((2, k, k))
+        self.zd = np.zeros((2, k, d_model))
+        self.dd = np.zeros(2)  # sum |delta|^2
+        self.yy = np.zeros(2)  # sum |resid_post|^2
+        self.tokens = np.zeros(2, dtype=np.int64)
+
+    @staticmethod
+    def nbytes(d_model: int) -> int:
+        return 2 * (2 * d_model + 1) * (3 * d_model + 1) * 8
+
+    def update(self, fold: int, attn_out: np.ndarray, mlp_x: np.ndarray, delta: np.ndarray, resid_post: np.ndarray) -> None:
+        """Add tokens: each argument [tokens, d_model]."""
+        n = len(delta)
+        z = np.concatenate([attn_out, mlp_x, np.ones((n, 1))], axis=1, dtype=np.float64)
+        delta = delta.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
+            self.zz[fold] += z.T @ z
+            self.zd[fold] += z.T @ delta
+        self.dd[fold] += float(np.sum(delta * delta))
+        self.yy[fold] += float(np.sum(resid_post.astype(np.float64) ** 2))
+        self.tokens[fold] += n
+
+    def _traces(self, fold) -> tuple[float, float, float]:
+        """sum |P|^2, sum <P, delta>, sum |delta|^2 over fold 0, 1, or both (None)."""
+        d = self.zd.shape[2]
+        zz, zd, dd = (a.sum(0) if fold is None else a[fold] for a in (self.zz, self.zd, self.dd))
+        p = slice(d, 2 * d)
+        return float(np.trace(zz[p, p])), float(np.trace(zd[p])), float(dd)
+
+    def scores(self) -> dict[str, float]:
+        """The uncompensated one-pass scores over all fit tokens: C_l, C_l^stream and the gate alpha_l."""
+        pp, pd, dd = self._traces(None)
+        hh = pp + 2 * pd + dd  # |mlp(ln2 h)|^2, as mlp(ln2 h) = P + delta
+        return {"c": dd / max(hh, 1e-300), "c_stream": dd / max(float(self.yy.sum()), 1e-300), "alpha": (pp + pd) / max(pp, 1e-300)}
+
+    def solve(self, layer: int, kind: str = "full", ridges=RIDGES) -> Fit:
+        """The fix of one block: `full` (ridge least squares, the ridge chosen on the held-out fold,
+        then refitted on both folds) or `gate` (alpha_l, the paper's scalar). A fit that is not
+        finite is refused (fix None, with a note)."""
+        d = self.zd.shape[2]
+        tokens, scores = int(self.tokens.sum()), self.scores()
+        failed = lambda why: Fit(layer, None, None, None, None, scores["c_stream"], tokens, why, scores)  # noqa: E731
+        if self.tokens.min() == 0:
+            return failed("too few windows to hold one fold out; give more fit windows")
+        if not all(np.isfinite(a).all() for a in (self.zz, self.zd, self.dd, self.yy)):
+            return failed("non-finite activations in the fit windows; the block stays plain parallel")
+        if kind == "gate":
+            (pp0, pd0, _), (pp1, pd1, dd1) = self._traces(0), self._traces(1)
+            g0 = pd0 / max(pp0, 1e-300)  # alpha - 1, fitted on fold 0
+            left = dd1 - 2 * g0 * pd1 + g0 * g0 * pp1
+            fix, ridge = Fix.gate(scores["alpha"]), None
+        else:
+            try:
+                ridge, left = _choose_ridge(self.zz[0], self.zd[0], self.zz[1], self.zd[1], self.dd[1], ridges)
+                weights = _ridge_solve(self.zz.sum(0), self.zd.sum(0), ridge)
+            except np.linalg.LinAlgError as e:
+                return failed(f"ill-conditioned ({e}); the block stays plain parallel")
+            if not np.isfinite(weights).all():
+                return failed("ill-conditioned: the fit is not finite; the block stays plain parallel")
+            fix = Fix(w_a=weights[:d], w_p=weights[d : 2 * d], b=weights[2 * d])
+        left = max(float(left), 0.0)
+        return Fit(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), scores["c_stream"], tokens, "", scores)
+
+
+def _scaling(zz: np.ndarray) -> np.ndarray:
+    """Jacobi scaling diag(zz)^-1/2: the scaled Gram matrix has a unit diagonal, so the ridge is
+    relative to each feature's energy."""
+    diag = np.diag(zz)
+    return 1.0 / np.sqrt(np.maximum(diag, 1e-12 * max(float(diag.max()), 1e-300)))
+
+
+def _choose_ridge(zz0, zd0, zz1, zd1, dd1, ridges) -> tuple[float, float]:
+    """The ridge whose fit on fold 0 leaves the least defect energy on fold 1, and that energy.
+
+    With s the scaling, s zz0 s = Q diag(lam) Q' and B = Q' s zd0, the fold-0 fit is
+    W = s Q diag(f) B, f = 1 / (lam + ridge); its fold-1 residual |delta|^2 - 2 tr(W' zd1) + tr(W' zz1 W)
+    is dd1 - 2 f.(rowsum(B * E)) + f' (M * B B') f with E = Q' s zd1, M = Q' s zz1 s Q: O(k^2) per ridge.
+    """
+    s = _scaling(zz0)
+    lam, q = np.linalg.eigh(s[:, None] * zz0 * s[None, :])
+    lam = np.maximum(lam, 0.0)
+    b = q.T @ (s[:, None] * zd0)
+    e = q.T @ (s[:, None] * zd1)
+    m = q.T @ (s[:, None] * zz1 * s[None, :]) @ q
+    cross, mc = np.sum(b * e, axis=1), m * (b @ b.T)
+    best = None
+    for r in ridges:
+        f = 1.0 / (lam + r)
+        left = float(dd1 - 2 * (f @ cross) + f @ mc @ f)
+        if np.isfinite(left) and (best is None or left < best[1]):
+            best = (r, left)
+    if best is None:
+        raise np.linalg.LinAlgError("no ridge strength gave a finite fit")
+    return best
+
+
+def _ridge_solve(zz: np.ndarray, zd: np.ndarray, ridge: float) -> np.ndarray:
+    """W = (zz + ridge diag(zz))^-1 zd, solved in the Jacobi-scaled basis."""
+    s = _scaling(zz)
+    scaled = s[:, None] * zz * s[None, :]
+    scaled[np.diag_indices_from(scaled)] += ridge
+    return s[:, None] * np.linalg.solve(scaled, s[:, None] * zd)
+
+
+def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None) -> ir.Model:
+    """The switchboard graph reduced to the fit taps of every sequential block (no logits, no KV cache)."""
+    board = graphs.switchboard(model, KINDS, fixes, fit_taps=True)
+    taps = [v for v in board.graph.outputs if v.name.startswith("surgery/fit/")]
+    board.graph.outputs.clear()
+    board.graph.outputs.extend(taps)
+    RemoveUnusedNodesPass()(board)
+    used = [v for v in board.graph.inputs if v.uses()]
+    board.graph.inputs.clear()
+    board.graph.inputs.extend(used)
+    return board
+
+
+def fit(
+    model: ir.Model,
+    windows: Windows,
+    layers: Collection[int] | None = None,
+    *,
+    fixes: dict[int, Fix] | None = None,
+    on: dict[tuple[str, ...], set[int]] | None = None,
+    kind: str = "full",
+    ridges=RIDGES,
+    memory_bytes: int = MEMORY_BYTES,
+    options: runtime.Options = runtime.Options(),
+    progress: Progress | None = None,
+) -> dict[int, Fit]:
+    """Fit the fix of each sequential block in `layers` (all when None) on `windows`: kind `full`
+    (least squares) or `gate` (alpha_l). Each Fit also carries the block's uncompensated scores.
+
+    fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
+    graph holds, `on` the switches turned on, e.g. {("parallel",): {3, 7}, ("compensated",): {3}}.
+    """
+    blocks = find_blocks(model)
+    n, table = len(blocks), embedding_table(model)
+    if table is None:
+        raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
+    d_model = table[1]
+    todo = [b.layer for b in blocks if not b.is_parallel and (layers is None or b.layer in layers)]
+    if not todo:
+        return {}
+    session = runtime.session(fit_graph(model, fixes), options)
+    feed_switches = graphs.switches(KINDS, n, on)
+    per_chunk = max(1, memory_bytes // NormalEquations.nbytes(d_model))
+    chunks = [todo[i : i + per_chunk] for i in range(0, len(todo), per_chunk)]
+    results: dict[int, Fit] = {}
+    done, total = 0, len(chunks) * len(windows)
+    for chunk in chunks:
+        sums = {layer: NormalEquations(d_model) for layer in chunk}
+        names = [graphs.fit_tap(l, w) for l in chunk for w in ("attn_out", "mlp_x", "delta", "resid_post")]
+        for i in range(len(windows)):
+            feed = runtime.feeds(session, windows.ids[i : i + 1], extra={graphs.SWITCHES: feed_switches})
+            out = dict(zip(names, session.run(names, feed)))
+            for layer in chunk:  # token 0, the attention sink, left out
+                t = [out[graphs.fit_tap(layer, w)][0, 1:] for w in ("attn_out", "mlp_x", "delta", "resid_post")]
+                sums[layer].update(i % 2, *t)
+            done += 1
+            if progress:
+                progress(done, total)
+        for layer in chunk:
+            results[layer] = sums[layer].solve(layer, kind, ridges)
+        del sums
+    return results

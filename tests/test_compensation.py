@@ -1,0 +1,83 @@
+"""The compensation fit (NumPy reference): normal equations, ridge choice, gate, guards."""
+
+import numpy as np
+import pytest
+
+from surgery import compensation, data, evaluate, graph
+from surgery.compensation import NormalEquations
+from surgery.passes import compensate, parallelize
+
+
+def planted(d=6, n=400, seed=0, noise=0.0):
+    rng = np.random.default_rng(seed)
+    a, p = rng.standard_normal((n, d)), rng.standard_normal((n, d)) * 3
+    w_a, w_p, b = rng.standard_normal((d, d)), rng.standard_normal((d, d)), rng.standard_normal(d)
+    delta = a @ w_a + p @ w_p + b + noise * rng.standard_normal((n, d))
+    y = rng.standard_normal((n, d)) * 10
+    return a, p, delta, y, (w_a, w_p, b)
+
+
+def accumulate(a, p, delta, y, chunk=50):
+    eq = NormalEquations(a.shape[1])
+    for i, lo in enumerate(range(0, len(a), chunk)):
+        s = slice(lo, lo + chunk)
+        eq.update(i % 2, a[s], p[s], delta[s], y[s])
+    return eq
+
+
+def test_the_fit_recovers_a_planted_linear_defect():
+    a, p, delta, y, (w_a, w_p, b) = planted()
+    fit = accumulate(a, p, delta, y).solve(0)
+    assert fit.ridge == min(compensation.RIDGES)  # exact data: the least ridge leaves the least held-out energy
+    for got, want in ((fit.fix.w_a, w_a), (fit.fix.w_p, w_p), (fit.fix.b, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert fit.residual < 1e-10 and fit.tokens == len(a)
+
+
+def test_held_out_residual_and_scores_equal_direct_numpy():
+    a, p, delta, y, _ = planted(noise=2.0, n=300)
+    eq = accumulate(a, p, delta, y)
+    fit = eq.solve(0)
+    folds = (np.arange(len(a)) // 50) % 2
+    z = np.concatenate([a, p, np.ones((len(a), 1))], axis=1)
+    z0, d0, z1, d1 = z[folds == 0], delta[folds == 0], z[folds == 1], delta[folds == 1]
+    g = z0.T @ z0
+    w = np.linalg.solve(g + fit.ridge * np.diag(np.diag(g)), z0.T @ d0)  # the ridge it chose, on fold 0
+    left = np.sum((d1 - z1 @ w) ** 2)
+    assert fit.residual == pytest.approx(left / np.sum(d1**2), rel=1e-8)
+    assert fit.c_comp == pytest.approx(left / np.sum(y[folds == 1] ** 2), rel=1e-8)
+    for r in compensation.RIDGES:  # and no other ridge does better on fold 1
+        wr = np.linalg.solve(g + r * np.diag(np.diag(g)), z0.T @ d0)
+        assert np.sum((d1 - z1 @ wr) ** 2) >= left * (1 - 1e-9)
+    h = p + delta
+    assert fit.scores["c"] == pytest.approx(np.sum(delta**2) / np.sum(h**2), rel=1e-10)
+    assert fit.scores["c_stream"] == pytest.approx(np.sum(delta**2) / np.sum(y**2), rel=1e-10)
+    assert fit.scores["alpha"] == pytest.approx(np.sum(h * p) / np.sum(p**2), rel=1e-10)
+    gate = eq.solve(0, kind="gate")
+    assert gate.fix.w_p == pytest.approx(fit.scores["alpha"] - 1) and gate.fix.w_a is None
+
+
+def test_ill_conditioned_or_broken_layers_never_give_non_finite_weights():
+    a, p, delta, y, _ = planted()
+    a[:] = 0.0  # attention output identically zero: a singular Gram matrix
+    p[:, 1] = p[:, 0]  # and two equal features
+    fit = accumulate(a, p, delta, y).solve(0)
+    assert fit.fix is not None and all(np.isfinite(w).all() for w in (fit.fix.w_a, fit.fix.w_p, fit.fix.b))
+    bad = delta.copy()
+    bad[3, 2] = np.inf
+    broken = accumulate(a, p, bad, y).solve(4)
+    assert broken.fix is None and "non-finite" in broken.note and broken.layer == 4
+    one_fold = NormalEquations(6)
+    one_fold.update(0, a, p, delta, y)
+    assert one_fold.solve(0).fix is None
+
+
+def test_fit_on_a_graph_lowers_the_held_out_defect(fixture_path):
+    """Through ONNX Runtime on the tiny llama: the fitted fix leaves less defect on held-out windows."""
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=32, max_windows=24, part="calibration")
+    fits = compensation.fit(model, windows)
+    assert sorted(fits) == [0, 1, 2]
+    for f in fits.values():
+        assert f.fix is not None and 0 < f.residual < 1 and f.c_comp < f.c_stream
