@@ -1,17 +1,19 @@
-"""The headline: SmolLM2-135M original vs auto-parallel (plain, fused, calibrated), quality and speed.
+"""The headline: SmolLM2-135M original vs auto-parallel, plain / alpha-calibrated / compensated / compensated + fused.
 
-    python benchmarks/parallelize.py [--repeats 20] [--all-layers] [--variants "plain all 30,fused all 30"]
-                                     [--device auto] [--execution sequential|parallel] [--threads N]
+    python benchmarks/parallelize.py [--budgets 0.02,0.05] [--repeats 20] [--fit-windows 32] [--windows 8]
+                                     [--eval-windows 8] [--all-layers] [--device auto] [--threads N]
 
-One selection (defaults: C_l^stream ranking, 0.02 nats on 4 calibration windows), then every
-variant's dNLL on 8 held-out evaluation windows, graph size, the paper's estimated speedup, and
-prefill / decode latency from ONE interleaved run of all variants (same session options).
+Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
+dNLL checks), as `surgery parallelize` does; each (fit, budget) pair runs its own selection on
+them. Every variant's dNLL is measured on the disjoint evaluation windows with a 95 % paired
+bootstrap interval; prefill / decode latency of all variants comes from ONE interleaved run
+(same session options). --all-layers adds every block parallel (plain, fused, compensated).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+import time
 
 from common import smollm2, table
 
@@ -19,69 +21,71 @@ from surgery import data, evaluate, graph, runtime
 from surgery.layers import format_layers
 from surgery.select import rewrite, select_layers
 
+FITS = {"plain": None, "calibrated": "gate", "compensated": "full"}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--budgets", default="0.02,0.05")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--fit-windows", type=int, default=32)
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--execution", default="sequential", choices=["sequential", "parallel"])
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--all-layers", action="store_true", help="also time every block made parallel")
-    parser.add_argument("--variants", default=None, help="comma-separated subset of the variant names to time")
+    parser.add_argument("--all-layers", action="store_true", help="also every block parallel")
     args = parser.parse_args()
-    options = runtime.Options(threads=args.threads, execution=args.execution, device=args.device)
+    options = runtime.Options(threads=args.threads, device=args.device)
 
     folder = smollm2()
     model = graph.load(folder)
-    cal = data.windows(folder, seq_len=args.seq_len, max_windows=4, part="calibration")
-    ev = data.windows(folder, seq_len=args.seq_len, max_windows=8, part="evaluation")
-    selection = select_layers(model, cal, options=options)
-    layers = selection.layers
-    alpha = {l: selection.alpha[l] for l in layers}
-    variants = {
-        "original": model,
-        "plain": rewrite(model, layers).model,
-        "fused": rewrite(model, layers, fused=True).model,
-        "calibrated": rewrite(model, layers, alpha=alpha).model,
-        "fused calibrated": rewrite(model, layers, fused=True, alpha=alpha).model,
-    }
+    cal = data.windows(folder, seq_len=args.seq_len, max_windows=args.fit_windows + args.windows, part="calibration")
+    fit_windows, sel = data.deal(cal, [args.fit_windows, args.windows], ["fit", "selection"])
+    ev = data.windows(folder, seq_len=args.seq_len, max_windows=args.eval_windows, part="evaluation")
+    variants = {"original": (model, None, ())}
+    for budget in (float(b) for b in args.budgets.split(",")):
+        for name, fit in FITS.items():
+            s = select_layers(model, sel, fit_windows=fit_windows, fit=fit, max_loss_increase=budget, options=options)
+            variants[f"{name} @{budget}"] = (rewrite(model, s.layers, fixes=s.fixes).model, s, s.layers)
+            if fit == "full":
+                variants[f"compensated + fused @{budget}"] = (rewrite(model, s.layers, fused=True, fixes=s.fixes).model, s, s.layers)
+            print(f"{name} @{budget}: {format_layers(s.layers) or 'none'} ({len(s.layers)}), selection dNLL {s.dnll}, "
+                  f"{s.forward_passes} selection passes, seconds {s.seconds}", flush=True)
     if args.all_layers:
-        every = range(30)
-        variants["plain all 30"] = rewrite(model, every).model
-        variants["fused all 30"] = rewrite(model, every, fused=True).model
+        from surgery.compensation import fit as fit_all
 
-    if args.variants:
-        keep = {v.strip() for v in args.variants.split(",")} | {"original"}
-        variants = {k: v for k, v in variants.items() if k in keep}
+        fits = fit_all(model, fit_windows, options=options)
+        every = range(len(fits))
+        variants["plain all"] = (rewrite(model, every).model, None, tuple(every))
+        variants["compensated all"] = (rewrite(model, every, fixes={l: f.fix for l, f in fits.items() if f.fix}).model, None, tuple(every))
 
-    base = evaluate.perplexity(model, ev, options=options).loss
+    base = evaluate.perplexity(model, ev, options=options)
     times = evaluate.branch_times(model, seq_len=args.seq_len)
-    timed = evaluate.latency(list(variants.values()), batch=args.batch, seq_len=args.seq_len, repeats=args.repeats, options=options)
+    start = time.perf_counter()
+    timed = evaluate.latency([m for m, _, _ in variants.values()], seq_len=args.seq_len, repeats=args.repeats, options=options)
+    latency_s = time.perf_counter() - start
     rows = []
-    for (name, m), t in zip(variants.items(), timed):
-        ops = Counter(n.op_type for n in m.graph)
-        chosen = range(30) if "all 30" in name else layers
+    for (name, (m, s, layers)), t in zip(variants.items(), timed):
+        d = None if name == "original" else evaluate.delta(base, evaluate.perplexity(m, ev, options=options))
         rows.append({
             "graph": name,
-            "dNLL eval": "0" if name == "original" else f"{evaluate.perplexity(m, ev, options=options).loss - base:+.4f}",
-            "nodes": str(len(m.graph)),
-            "MatMul": str(ops["MatMul"]),
-            "norms": str(ops["ReduceMean"] // 1 + ops["LayerNormalization"]),
-            "est. speedup": "1" if name == "original" else f"{times.estimated_speedup(chosen):.3f}",
-            "prefill ms": f"{t.prefill_ms:.1f}",
+            "blocks": str(len(layers)),
+            "layers": format_layers(layers) or "-",
+            "dNLL selection": "-" if s is None else f"{s.dnll.dnll:+.4f}",
+            "dNLL eval [95 % CI]": "0" if d is None else str(d),
+            "est. speedup": f"{times.estimated_speedup(layers):.3f}",
             "prefill x": f"{timed[0].prefill_ms / t.prefill_ms:.3f}",
-            "decode ms": f"{t.decode_ms:.2f}",
             "decode x": f"{timed[0].decode_ms / t.decode_ms:.3f}",
+            "fit s": "-" if s is None or "fit" not in s.seconds else f"{s.seconds['fit']:.0f}",
+            "selection s": "-" if s is None else f"{s.seconds['selection']:.0f}",
         })
-    print(f"chosen layers {format_layers(layers)} ({len(layers)} blocks), dNLL calibration {selection.dnll:+.4f}, "
-          f"{selection.forward_passes} forward passes; base loss {base:.4f} on {ev.tokens} evaluation tokens")
-    print(f"{timed[0].provider}, batch {args.batch}, prefill {args.seq_len}, decode 1 after {args.seq_len}, "
-          f"{args.repeats} interleaved repeats, execution {args.execution}, threads {args.threads or 'ORT default'}")
+    print(f"\nbase loss {base.loss:.4f} on {ev.tokens} evaluation tokens; fit {len(fit_windows)} x {args.seq_len}, "
+          f"selection {len(sel)} x {args.seq_len} windows (disjoint); {timed[0].provider}, prefill {args.seq_len}, "
+          f"decode 1 after {args.seq_len}, {args.repeats} interleaved repeats ({latency_s:.0f} s)")
     print(table(rows, list(rows[0])))
     print("\nx = original median / this graph's median (> 1 is faster); est. speedup = the paper's max(t_attn, t_mlp) "
-          "estimate from per-branch kernel times of the original graph; norms = ReduceMean + LayerNormalization nodes")
+          "estimate from per-branch kernel times of the original graph")
 
 
 if __name__ == "__main__":

@@ -309,7 +309,11 @@ def evaluate(
     base = scores[0].loss
     rows = []
     for i, (name, score) in enumerate(zip(names, scores)):
-        row = {"model": str(models[i]), "name": name, **dataclasses.asdict(score), "dnll": score.loss - base}
+        interval = None if i == 0 else ev.delta(scores[0], score)  # 95 % paired bootstrap over the same windows
+        row = {
+            "model": str(models[i]), "name": name, **dataclasses.asdict(score), "dnll": score.loss - base,
+            "dnll_interval": None if interval is None else [interval.low, interval.high],
+        }
         if timings:
             t, t0 = timings[i], timings[0]
             row.update(dataclasses.asdict(t))
@@ -320,14 +324,18 @@ def evaluate(
         print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
         return
     table = Table(show_edge=False, pad_edge=False, title=f"{windows.name}: {len(windows)} windows x {seq_len} tokens, {windows.tokens} scored", title_justify="left")
-    for column in ("model", "loss", "ppl", "dNLL"):
+    for column in ("model", "loss", "ppl", "dNLL", "95 % CI"):
         table.add_column(column, justify="left" if column == "model" else "right")
     if timings:
         provider = timings[0].provider.replace("ExecutionProvider", "")
         for column in (f"prefill ms ({provider})", "decode ms/tok", "prefill x", "decode x"):
             table.add_column(column, justify="right")
     for row in rows:
-        cells = [row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}"]
+        low_high = row["dnll_interval"]
+        cells = [
+            row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}",
+            "-" if low_high is None else escape(f"[{low_high[0]:+.4f}, {low_high[1]:+.4f}]"),
+        ]
         if timings:
             cells += [
                 f"{row['prefill_ms']:.2f}",
@@ -374,8 +382,19 @@ def diagnose(
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("summary")
     table.add_column("value")
-    for key, value in report.summary(result).items():
-        if isinstance(value, dict):
+    summary = report.summary(result)
+    intervals = summary.pop("ablation_all_layers_interval", {})
+    for key, value in summary.items():
+        if key == "ablation_all_layers":  # each dNLL with its 95 % paired bootstrap interval
+            cells = []
+            for branch, modes in value.items():
+                shown = []
+                for mode, x in modes.items():
+                    ci = intervals.get(branch, {}).get(mode)
+                    shown.append(f"{mode} {x:+.4f}" + (f" [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""))
+                cells.append(f"{branch} " + ", ".join(shown))
+            value = "; ".join(cells)
+        elif isinstance(value, dict):
             value = ", ".join(f"{k} {v if not isinstance(v, dict) else {m: round(x, 4) for m, x in v.items()}}" for k, v in value.items())
         elif isinstance(value, float):
             value = f"{value:.4f}"

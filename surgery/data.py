@@ -13,6 +13,7 @@ once. `max_windows` takes windows evenly spaced over the part, not its first one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -135,6 +136,14 @@ def token_stream(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(encodings[0].ids, dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=4)
+def _stream(tokenizer_json: str, texts: tuple[str, ...]) -> np.ndarray:
+    """token_stream, remembered: one command asks for several parts of the same corpus."""
+    stream = token_stream(list(texts), Tokenizer.from_str(tokenizer_json))
+    stream.flags.writeable = False
+    return stream
+
+
 def make_windows(
     stream: np.ndarray, seq_len: int, stride: int | None, prefix: list[int], name: str, offset: int = 0
 ) -> Windows:
@@ -177,7 +186,7 @@ def windows(
         raise SurgeryError(f"calibration fraction {calibration} must be between 0 and 1")
     tok = load_tokenizer(model, tokenizer)
     texts, name = read_texts(data)
-    stream = token_stream(texts, tok)
+    stream = _stream(tok.to_str(), tuple(texts))
     if len(stream) == 0:
         raise SurgeryError(f"{name} has no text; pass a corpus with some")
     prefix = bos_prefix(tok)

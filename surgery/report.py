@@ -45,6 +45,8 @@ def summary(report: dict) -> dict:
         out["spearman_c_stream"] = report["defect"]["spearman"]["c_stream"]
     if "ablation" in report:
         out["ablation_all_layers"] = report["ablation"]["all_layers"]
+        if "all_layers_interval" in report["ablation"]:
+            out["ablation_all_layers_interval"] = report["ablation"]["all_layers_interval"]
     if "critical" in report:
         out["critical_counts"] = {k: sum(l["counts"][k] for l in report["critical"]["layers"]) for k in ("attractor", "saddle", "repeller")}
     return out
@@ -61,18 +63,21 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
     s = summary(report)
     lines += ["", "| summary | value |", "|---|---|"]
     for key, value in s.items():
-        if key in ("model", "ablation_all_layers", "critical_counts"):
+        if key in ("model", "ablation_all_layers", "ablation_all_layers_interval", "critical_counts"):
             continue
         lines.append(f"| {key} | {_fmt(value)} |")
     if "ablation" in report:
-        lines += ["", "## Ablations, all layers at once (dNLL, nats)", "", "| branch | tangential | radial | remove |", "|---|---|---|---|"]
+        lines += ["", "## Ablations, all layers at once (dNLL, nats, 95 % paired bootstrap interval)", "",
+                  "| branch | tangential | radial | remove |", "|---|---|---|---|"]
         for branch in ("mlp", "attn"):
             row = report["ablation"]["all_layers"][branch]
-            lines.append(f"| {branch} | {_fmt(row['tangential'])} | {_fmt(row['radial'])} | {_fmt(row['remove'])} |")
+            ci = report["ablation"].get("all_layers_interval", {}).get(branch, {})
+            lines.append(f"| {branch} | " + " | ".join(_fmt_dnll(row[m], ci.get(m)) for m in ("tangential", "radial", "remove")) + " |")
     columns = [("deficit", lambda r, l: r["deficit"]["deficit"][l]),
                ("d_attn", lambda r, l: r["diversity"]["d_attn"][l]), ("d_mlp", lambda r, l: r["diversity"]["d_mlp"][l]),
                ("C", lambda r, l: r["defect"]["c"][l]), ("C_stream", lambda r, l: r["defect"]["c_stream"][l]),
-               ("dNLL parallel", lambda r, l: r["defect"].get("dnll_parallel", [None] * n)[l]),
+               ("dNLL parallel [95 % CI]", lambda r, l: _fmt_dnll(r["defect"].get("dnll_parallel", [None] * n)[l],
+                                                                  r["defect"].get("dnll_parallel_interval", [None] * n)[l])),
                ("alpha", lambda r, l: r["gate"]["alpha"][l])]
     present = [(name, get) for name, get in columns if _has(report, get)]
     if present:
@@ -160,7 +165,10 @@ def _plots(report: dict, folder: Path) -> dict[str, str]:
         modes = ("tangential", "radial", "remove")
         for ax, branch in zip(axes, ("mlp", "attn")):
             values = [report["ablation"]["all_layers"][branch][m] for m in modes]
-            ax.bar(modes, values, color=["#55a868", "#c44e52", "#8172b2"])
+            ci = report["ablation"].get("all_layers_interval", {}).get(branch)
+            yerr = None if ci is None else np.clip([[v - ci[m][0] for v, m in zip(values, modes)],
+                                                    [ci[m][1] - v for v, m in zip(values, modes)]], 0, None)
+            ax.bar(modes, values, yerr=yerr, capsize=3, color=["#55a868", "#c44e52", "#8172b2"])
             ax.set(title=f"{branch}: all layers", ylabel="dNLL, nats")
         save(fig, "ablation.png", "Ablations, all layers at once")
     if "critical" in report:
@@ -204,6 +212,13 @@ def _has(report, get) -> bool:
 def _forms(report) -> str:
     forms = report["model"]["forms"]
     return ", ".join(f"{forms.count(f)} {f}" for f in ("sequential", "parallel") if forms.count(f))
+
+
+def _fmt_dnll(value, interval) -> str:
+    """A dNLL beside its interval: "+0.0123 [+0.0051, +0.0213]"."""
+    if value is None or interval is None:
+        return _fmt(value)
+    return f"{value:+.4f} [{interval[0]:+.4f}, {interval[1]:+.4f}]"
 
 
 def _fmt(value) -> str:

@@ -83,14 +83,43 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.I
             so.inter_op_num_threads = options.inter_threads
     elif options.execution != "sequential":
         raise SurgeryError(f"unknown execution mode {options.execution!r}; use sequential or parallel")
+    arrays: dict[str, np.ndarray] = {}
     if isinstance(model, ir.Model):
         base = next(iter(graph.external_data(model).values()), None)
         if base is not None:
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base))
-        source = ir.to_proto(model).SerializeToString()
+        source, arrays = _proto_without_big_weights(model)
+        if arrays:
+            so.add_external_initializers(list(arrays), [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays.values()])
     else:
         source = str(graph.resolve(model))
-    return ort.InferenceSession(source, so, providers=list(providers(options.device)))
+    sess = ort.InferenceSession(source, so, providers=list(providers(options.device)))
+    sess._surgery_weights = arrays  # ORT reads these buffers in place: they live as long as the session
+    return sess
+
+
+_HANDED_OVER = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT8, ir.DataType.UINT8}
+
+
+def _proto_without_big_weights(model: ir.Model, threshold: int = 1 << 20) -> tuple[bytes, dict[str, np.ndarray]]:
+    """The serialized model with each in-memory weight of >= threshold bytes left as an external
+    reference, and those weights as arrays to hand to ORT directly: serializing 500 MB of weights
+    into a protobuf (and ORT parsing it back) costs seconds per session; this costs nothing."""
+    moved: dict[str, ir.TensorProtocol] = {}
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.dtype not in _HANDED_OVER or tensor.nbytes < threshold:
+            continue
+        moved[name] = tensor
+        value.const_value = ir.ExternalTensor(
+            "surgery-in-memory", offset=0, length=tensor.nbytes, dtype=tensor.dtype, shape=tensor.shape, name=name, base_dir=""
+        )
+    try:
+        source = ir.to_proto(model).SerializeToString()
+    finally:
+        for name, tensor in moved.items():
+            model.graph.initializers[name].const_value = tensor
+    return source, {name: np.ascontiguousarray(tensor.numpy()) for name, tensor in moved.items()}
 
 
 def on_cuda(sess: ort.InferenceSession) -> bool:

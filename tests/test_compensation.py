@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from surgery import compensation, data, evaluate, graph
+from surgery import compensation, data, graph
 from surgery.compensation import NormalEquations
-from surgery.passes import compensate, parallelize
 
 
 def planted(d=6, n=400, seed=0, noise=0.0):

@@ -90,11 +90,29 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     expected = evaluate.perplexity(project(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
     assert report["ablation"]["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
 
+    # each dNLL has its 95 % paired bootstrap interval beside it, the one delta() gives for separately scored graphs
+    modes = ("tangential", "radial", "remove")
+    pairs = list(zip(report["defect"]["dnll_parallel"], report["defect"]["dnll_parallel_interval"]))
+    for b in ("mlp", "attn"):
+        for m in modes:
+            pairs += zip(report["ablation"]["per_layer"][b][m], report["ablation"]["per_layer_interval"][b][m])
+            pairs.append((report["ablation"]["all_layers"][b][m], report["ablation"]["all_layers_interval"][b][m]))
+    assert len(pairs) == 3 + 2 * 3 * 4
+    for dnll, (low, high) in pairs:
+        assert low - 1e-12 <= dnll <= high + 1e-12 and low < high
+    scored = evaluate.perplexity(model, windows)
+    for got, rewritten in [(report["defect"]["dnll_parallel_interval"][1], parallelize(model, {1}).model),
+                           (report["ablation"]["per_layer_interval"]["attn"]["radial"][1], project(model, "attn", "radial", {1}).model),
+                           (report["ablation"]["all_layers_interval"]["mlp"]["tangential"], project(model, "mlp", "tangential", {0, 1, 2}).model)]:
+        d = evaluate.delta(scored, evaluate.perplexity(rewritten, windows))
+        assert got == pytest.approx([d.low, d.high], abs=1e-5)
+
 
 def test_parallel_blocks_report_defect_as_not_applicable(fixture_path):
     report = diagnose(fixture_path("gpt_neox_parallel"), seq_len=32, windows=1, eval_windows=1, only=("defect", "gate", "diversity"))
     assert report["defect"]["c"] == [None] * 3 and report["defect"]["c_stream"] == [None] * 3
     assert report["defect"]["dnll_parallel"] == [None] * 3 and report["gate"]["alpha"] == [None] * 3
+    assert report["defect"]["dnll_parallel_interval"] == [None] * 3
     assert report["diversity"]["d_attn"] == [None] * 3 and all(v is not None for v in report["diversity"]["d_block"])
 
 
@@ -155,6 +173,15 @@ def test_diagnose_command_writes_a_report_people_can_open(tmp_path, fixture_path
     assert len(images) == 6
     assert all((out / name).is_file() and (out / name).stat().st_size > 1000 for name in images)
     assert "](deficit.png)" in (out / "report.md").read_text()
+    assert set(summary["ablation_all_layers_interval"]) == {"mlp", "attn"}
+    md = (out / "report.md").read_text()
+    low, high = report["ablation"]["all_layers_interval"]["mlp"]["remove"]
+    assert f"{report['ablation']['all_layers']['mlp']['remove']:+.4f} [{low:+.4f}, {high:+.4f}]" in md
+    low, high = report["defect"]["dnll_parallel_interval"][0]
+    assert f"| {report['defect']['dnll_parallel'][0]:+.4f} [{low:+.4f}, {high:+.4f}] |" in md
+    shown = runner.invoke(app, args[:-1])
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"remove [+-]\d\.\d{4} \[[+-]\d\.\d{4}, [+-]\d\.\d{4}\]", shown.stdout)
 
 
 def test_diagnose_rejects_unknown_sections(tmp_path, fixture_path):

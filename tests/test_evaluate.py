@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from surgery import data, evaluate, graph, runtime
 from surgery.cli import app
+from surgery.errors import SurgeryError
 from surgery.passes import project
 
 runner = CliRunner()
@@ -52,6 +53,35 @@ def test_perplexity_equals_the_hf_torch_model(tmp_path):
     assert evaluate.perplexity(folder, w).loss == pytest.approx(float(nll), abs=1e-4)
 
 
+def _scored(window_nll, window_tokens) -> evaluate.Perplexity:
+    loss = float(np.sum(window_nll) / np.sum(window_tokens))
+    return evaluate.Perplexity(loss, float(np.exp(loss)), int(np.sum(window_tokens)), len(window_tokens), 0.0,
+                               tuple(float(x) for x in window_nll), tuple(int(t) for t in window_tokens))
+
+
+def test_delta_is_a_paired_bootstrap_over_windows():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(10, 60, size=12)
+    base = _scored(rng.uniform(2, 4, size=12) * tokens, tokens)
+    same = evaluate.delta(base, base)
+    assert (same.dnll, same.low, same.high) == (0, 0, 0)
+    shifted = evaluate.delta(base, _scored(np.array(base.window_nll) + 0.037 * tokens, tokens))  # +0.037 nats on every token
+    for value in (shifted.dnll, shifted.low, shifted.high):
+        assert value == pytest.approx(0.037, abs=1e-12)
+    assert str(shifted) == "+0.0370 [+0.0370, +0.0370]" and shifted.to_json()["low"] == shifted.low
+    with pytest.raises(SurgeryError, match="same windows"):
+        evaluate.delta(base, _scored(base.window_nll, tokens + 1))
+
+    sim, true_mean, windows, per_window, covered = np.random.default_rng(1), 0.02, 20, 100, 0
+    for _ in range(300):  # per-window dNLL i.i.d. N(0.02, 0.05) per token; the interval should cover 0.02 ~95 % of the time
+        nll = sim.uniform(2, 4, size=windows) * per_window
+        diff = sim.normal(true_mean, 0.05, size=windows) * per_window
+        d = evaluate.delta(_scored(nll, [per_window] * windows), _scored(nll + diff, [per_window] * windows))
+        assert d.low <= d.dnll <= d.high
+        covered += d.low <= true_mean <= d.high
+    assert 0.88 <= covered / 300 <= 0.99
+
+
 def test_decode_with_the_kv_cache_continues_the_prefill(fixture_path):
     """The decode run that latency() times sees a cache of seq_len and predicts what a full pass predicts."""
     sess = runtime.session(fixture_path("llama"))
@@ -87,6 +117,12 @@ def test_evaluate_command_compares_with_the_first_model(tmp_path, fixture_path):
     assert first["dnll"] == 0 and first["prefill_ratio"] == 1
     assert second["dnll"] == pytest.approx(second["loss"] - first["loss"]) and second["dnll"] != 0
     assert second["decode_ratio"] == pytest.approx(first["decode_ms"] / second["decode_ms"])
+    assert first["dnll_interval"] is None
+    low, high = second["dnll_interval"]
+    assert low <= second["dnll"] <= high and low < high
+    shown = runner.invoke(app, args[:-1] + ["--no-latency"])
+    assert shown.exit_code == 0, shown.output
+    assert "95 % CI" in shown.stdout and f"[{low:+.4f}, {high:+.4f}]" in shown.stdout
 
 
 def test_graph_without_logits_is_one_clear_error(tmp_path, fixture_path):

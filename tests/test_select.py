@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import numpy as np
@@ -8,8 +9,8 @@ from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.passes import fuse, parallelize, project
-from surgery.select import rewrite, select_layers
+from surgery.passes import Fix, compensate, fuse, parallelize, project
+from surgery.select import rewrite, select_layers, _forms
 
 runner = CliRunner()
 
@@ -23,27 +24,29 @@ def test_greedy_selection_keeps_only_what_fits(fixture_path):
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=32, max_windows=3, part="calibration")
-    everything = select_layers(model, windows, max_loss_increase=10.0)
-    assert everything.layers == (0, 1, 2) and everything.forward_passes == 2 + 3
+    everything = select_layers(model, windows, fit=None, max_loss_increase=10.0)
+    assert everything.layers == (0, 1, 2) and everything.forward_passes == 1 + 3
     scores = [everything.c_stream[t.layer] for t in everything.trials]
     assert scores == sorted(scores)  # lowest defect first
     # The reported dNLL is the loss of the plain parallel graph of the chosen set, measured independently.
     base = evaluate.perplexity(model, windows).loss
-    assert everything.dnll == pytest.approx(evaluate.perplexity(parallelize(model, everything.layers).model, windows).loss - base, abs=1e-5)
+    assert everything.dnll.dnll == pytest.approx(evaluate.perplexity(parallelize(model, everything.layers).model, windows).loss - base, abs=1e-5)
+    assert everything.dnll.low <= everything.dnll.dnll <= everything.dnll.high
 
-    nothing = select_layers(model, windows, max_loss_increase=-1.0)
+    nothing = select_layers(model, windows, fit=None, max_loss_increase=-1.0)
     assert nothing.layers == () and not any(t.kept for t in nothing.trials) and len(nothing.trials) == 3
-    capped = select_layers(model, windows, max_loss_increase=10.0, max_layers=1)
+    capped = select_layers(model, windows, fit=None, max_loss_increase=10.0, max_layers=1)
     assert len(capped.layers) == 1 and capped.layers[0] == everything.trials[0].layer
-    protected = select_layers(model, windows, max_loss_increase=10.0, protect_first=1, protect_last=1)
+    protected = select_layers(model, windows, fit=None, max_loss_increase=10.0, protect_first=1, protect_last=1)
     assert protected.layers == (1,)
 
 
 def test_parallel_models_have_nothing_to_select(fixture_path):
     path = fixture_path("gpt_neox_parallel")
     windows = data.windows(path, seq_len=32, max_windows=2, part="calibration")
-    selection = select_layers(graph.load(path), windows, max_loss_increase=10.0)
-    assert selection.layers == () and selection.trials == () and selection.c == (None, None, None)
+    for fit in (None, "full"):
+        selection = select_layers(graph.load(path), windows, fit_windows=windows, fit=fit, max_loss_increase=10.0)
+        assert selection.layers == () and selection.trials == () and selection.c == (None, None, None)
 
 
 class TestFused:
@@ -77,7 +80,7 @@ class TestFused:
         edits = [("mlp", "scale", {layer}, a) for layer, a in alpha.items()]
         expected = tiny.reference(parallel=set(alpha), branch_edits=edits)
         for fused in (False, True):
-            model = rewrite(tiny.onnx, set(alpha), fused=fused, alpha=alpha).model
+            model = rewrite(tiny.onnx, set(alpha), fused=fused, fixes={l: Fix.gate(a) for l, a in alpha.items()}).model
             np.testing.assert_allclose(logits(model, IDS), expected, rtol=1e-4, atol=1e-4)
 
     def test_fused_kv_cache_folder_generates_like_the_hooked_model(self, tiny, tmp_path):
@@ -110,19 +113,28 @@ def test_fused_blocks_refuse_ablation_and_diagnosis(fixture_path, tmp_path):
 
 def test_auto_command_writes_the_model_and_selection_json(tmp_path, fixture_path):
     out = tmp_path / "auto"
-    args = ["parallelize", str(fixture_path("gpt2")), "-o", str(out), "--seq-len", "32", "--windows", "2",
+    args = ["parallelize", str(fixture_path("gpt2")), "-o", str(out), "--seq-len", "32", "--windows", "2", "--fit-windows", "8",
             "--eval-windows", "2", "--repeats", "2", "--max-loss-increase", "0.05", "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
     saved = json.loads((out / "selection.json").read_text())
     assert saved["selection"]["layers"] == printed["selection"]["layers"]
-    assert saved["selection"]["forward_passes"] == 2 + len(saved["selection"]["trials"])
+    assert saved["selection"]["forward_passes"] == 1 + len(saved["selection"]["trials"])
     for key in ("dnll_eval", "estimated_speedup", "prefill_ratio", "decode_ratio"):
         assert isinstance(saved[key], float)
+    low, high = saved["dnll_eval_interval"]
+    assert low <= saved["dnll_eval"] <= high
+    assert saved["form"] == "compensated" and saved["windows"]["fit"]["count"] == 8
+    for block in saved["selection"]["blocks"]:  # every block's scores, fit and trials
+        assert block["form"] in ("compensated", "plain", "sequential")
+        assert block["c_comp"] is not None and block["fit"]["residual"] is not None
+        assert all(t["low"] <= t["dnll"] <= t["high"] for t in block["trials"])
     chosen = saved["selection"]["layers"]
     facts = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
     assert [b["form"] for b in facts["blocks"]] == ["parallel" if i in chosen else "sequential" for i in range(3)]
+    forms = saved["selection"]["forms"]
+    assert [b["fix"] for b in facts["blocks"]] == ["compensated" if forms.get(str(i)) == "compensated" else None for i in range(3)]
     # the reported evaluation dNLL is that of the written graph
     ev = data.windows(fixture_path("gpt2"), seq_len=32, max_windows=2, part="evaluation")
     measured = evaluate.perplexity(out, ev).loss - evaluate.perplexity(fixture_path("gpt2"), ev).loss
@@ -133,10 +145,94 @@ def test_auto_on_a_bare_onnx_file(tmp_path, fixture_path):
     bare = tmp_path / "bare.onnx"
     bare.write_bytes((fixture_path("llama") / "model.onnx").read_bytes())
     args = ["parallelize", str(bare), "-o", str(tmp_path / "out.onnx"), "--seq-len", "32", "--windows", "2",
-            "--eval-windows", "2", "--no-latency", "--fuse"]
+            "--fit-windows", "8", "--eval-windows", "2", "--no-latency", "--fuse"]
     missing = runner.invoke(app, args)
     assert missing.exit_code == 1 and "--tokenizer" in missing.stderr
     done = runner.invoke(app, args + ["--tokenizer", str(fixture_path("llama") / "tokenizer.json")])
     assert done.exit_code == 0, done.output
     assert (tmp_path / "out.onnx").is_file() and (tmp_path / "out.selection.json").is_file()
-    assert "form fused" in done.stdout and "forward passes" in done.stdout
+    assert "form fused compensated" in done.stdout and "forward passes" in done.stdout
+
+
+def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_path):
+    """The switchboard's compensated trials equal the compensate pass: the selection dNLL is that of
+    the graph rewrite() writes, scored independently on the same windows."""
+    path = fixture_path("llama")
+    model = graph.load(path)
+    cal = data.windows(path, seq_len=32, max_windows=20, part="calibration")
+    fit_windows, windows = data.deal(cal, [16, 4], ["fit", "selection"])
+    assert not set(fit_windows.starts) & set(windows.starts)
+    selection = select_layers(model, windows, fit_windows=fit_windows, max_loss_increase=10.0, try_both=True)
+    assert selection.layers == (0, 1, 2) and set(selection.forms.values()) <= {"compensated", "plain"}
+    assert [t.form for t in selection.trials] == ["compensated", "plain"] * 3  # both forms, every candidate
+    assert selection.score == "c_comp"
+    scores = [selection.c_comp[t.layer] for t in selection.trials[::2]]
+    assert scores == sorted(scores)
+    base = evaluate.perplexity(model, windows)
+    for t in selection.trials[:2]:  # the first candidate alone, each form, against the passes
+        fixes = {t.layer: selection.fits[t.layer].fix} if t.form == "compensated" else {}
+        graph_dnll = evaluate.perplexity(rewrite(model, [t.layer], fixes=fixes).model, windows).loss - base.loss
+        assert t.dnll == pytest.approx(graph_dnll, abs=1e-5)
+    written = rewrite(model, selection.layers, fixes=selection.fixes).model
+    assert selection.dnll.dnll == pytest.approx(evaluate.perplexity(written, windows).loss - base.loss, abs=1e-5)
+    kept = [t for t in selection.trials if t.kept]
+    assert sorted((t.layer, t.form) for t in kept) == sorted(selection.forms.items())
+    assert all(t.dnll == min(u.dnll for u in selection.trials if u.layer == t.layer) for t in kept)  # the better form
+
+
+def test_plain_is_tried_after_a_failed_compensated_trial_only_for_a_bad_fit():
+    from surgery.compensation import Fit
+
+    good = Fit(0, Fix.gate(0.9), None, 0.4, 0.01, 0.02, 100)
+    bad = dataclasses.replace(good, residual=1.7)
+    failed = dataclasses.replace(good, fix=None, residual=None)
+    assert _forms(0, {0: good}, False) == ("compensated",)
+    assert _forms(0, {0: bad}, False) == ("compensated", "plain")
+    assert _forms(0, {0: failed}, False) == ("plain",)
+    assert _forms(0, {}, False) == ("plain",)
+    assert _forms(0, {0: good}, True) == ("compensated", "plain")
+
+
+def test_refit_with_the_chosen_blocks_in_place(fixture_path):
+    path = fixture_path("gpt2")
+    model = graph.load(path)
+    fit_windows, windows = data.deal(data.windows(path, seq_len=32, max_windows=20, part="calibration"), [16, 4], ["fit", "selection"])
+    selection = select_layers(model, windows, fit_windows=fit_windows, max_loss_increase=10.0, refit=True)
+    r = selection.refit
+    assert r is not None and r["layers"] == sorted(l for l, f in selection.forms.items() if f == "compensated")
+    assert r["dnll_before"]["dnll"] != r["dnll_after"]["dnll"]  # the refit changed the fixes
+    assert selection.fit_passes == 2
+    expected = r["dnll_after"] if r["kept"] else r["dnll_before"]
+    assert selection.dnll.dnll == pytest.approx(expected["dnll"])
+    base = evaluate.perplexity(model, windows).loss
+    written = rewrite(model, selection.layers, fixes=selection.fixes).model
+    assert selection.dnll.dnll == pytest.approx(evaluate.perplexity(written, windows).loss - base, abs=1e-5)
+
+
+def test_bad_compensation_requests_are_one_line(fixture_path, tmp_path):
+    cases = [
+        (["parallelize", str(fixture_path("gpt_neox_parallel")), "--layers", "0", "--compensate"], "parallel in the model as exported"),
+        (["parallelize", str(fixture_path("llama")), "--layers", "1", "--calibrate", "--no-compensate"], "--calibrate is a form of compensation"),
+        (["parallelize", str(fixture_path("llama")), "--score", "c_comp", "--no-compensate", "--windows", "1"], "c_comp needs compensation"),
+    ]
+    fused = tmp_path / "fused"
+    assert runner.invoke(app, ["parallelize", str(fixture_path("llama")), "--layers", "1", "--fuse", "-o", str(fused)]).exit_code == 0
+    cases.append((["parallelize", str(fused), "--layers", "1", "--compensate", "--seq-len", "32", "--fit-windows", "4"], "block 1: it is fused"))
+    for args, message in cases:
+        out = tmp_path / "out"
+        result = runner.invoke(app, args + ["-o", str(out)])
+        assert result.exit_code == 1, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+        assert not out.exists()
+
+
+def test_explicit_layers_with_compensate_fold_the_fitted_fix(fixture_path, tmp_path):
+    out = tmp_path / "comp"
+    result = runner.invoke(app, ["parallelize", str(fixture_path("llama")), "--layers", "0,2", "--compensate",
+                                 "--seq-len", "32", "--fit-windows", "8", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    assert [b["fix"] for b in facts["blocks"]] == ["compensated", None, "compensated"]
+    shown = runner.invoke(app, ["inspect", str(out)]).stdout
+    assert "parallel (compensated)" in shown and "compensate layers=[0, 2]" in shown

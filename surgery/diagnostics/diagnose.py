@@ -101,20 +101,25 @@ def diagnose(
             [(b, m) for b in ("mlp", "attn") for m in ABLATION_MODES] if "ablation" in only else []
         )
         losses = _switch_losses(model, blocks, kinds, ev, options, tell)
+        intervals = losses["interval"]
         if "defect" in only:
             dnll = [losses[("parallel",)][l] for l in range(n)]
             report["defect"].update(
                 {
                     "base_loss": losses["base"],
                     "dnll_parallel": dnll,
+                    "dnll_parallel_interval": [intervals[("parallel",)][l] for l in range(n)],
                     "spearman": {k: spearman(report["defect"][k], dnll) for k in ("c", "c_stream")},
                 }
             )
         if "ablation" in only:
+            branches = ("mlp", "attn")
             report["ablation"] = {
                 "base_loss": losses["base"],
-                "all_layers": {b: {m: losses[(b, m)]["all"] for m in ABLATION_MODES} for b in ("mlp", "attn")},
-                "per_layer": {b: {m: [losses[(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in ("mlp", "attn")},
+                "all_layers": {b: {m: losses[(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "per_layer": {b: {m: [losses[(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
+                "all_layers_interval": {b: {m: intervals[(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "per_layer_interval": {b: {m: [intervals[(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
             }
         report["seconds"]["losses"] = time.perf_counter() - start
     return report
@@ -196,21 +201,25 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
 
 
 def _switch_losses(model, blocks, kinds, windows, options, tell) -> dict:
-    """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits)."""
+    """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits):
+    dNLL per kind and layer, and under "interval" its 95 % paired bootstrap [low, high] over the windows."""
     n = len(blocks)
     scorer = evaluate.Scorer(graphs.switchboard(model, kinds), options)
 
-    def loss(on):
-        return scorer(windows, extra={graphs.SWITCHES: graphs.switches(kinds, n, on)}).loss
+    def score(on):
+        return scorer(windows, extra={graphs.SWITCHES: graphs.switches(kinds, n, on)})
 
-    base = loss({})
+    base = score({})
     jobs = [(kind, layer) for kind in kinds for layer in range(n)] + [(kind, "all") for kind in kinds if kind != ("parallel",)]
-    result: dict = {"base": base, **{kind: {} for kind in kinds}}
+    result: dict = {"base": base.loss, "interval": {kind: {} for kind in kinds}, **{kind: {} for kind in kinds}}
     for done, (kind, layer) in enumerate(jobs, 1):
         if kind == ("parallel",) and blocks[layer].is_parallel:
-            result[kind][layer] = None  # already parallel: nothing to measure
+            result[kind][layer] = result["interval"][kind][layer] = None  # already parallel: nothing to measure
         else:
-            result[kind][layer] = loss({kind: set(range(n)) if layer == "all" else {layer}}) - base
+            p = score({kind: set(range(n)) if layer == "all" else {layer}})
+            d = evaluate.delta(base, p)
+            result[kind][layer] = p.loss - base.loss
+            result["interval"][kind][layer] = [d.low, d.high]
         tell("losses", done, len(jobs))
     return result
 

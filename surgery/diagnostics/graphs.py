@@ -23,6 +23,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from surgery import graph
 from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.graph import values_by_name
+from surgery.passes import projection
 from surgery.passes.parallel import redirect
 from surgery.passes.project import edit_nodes
 
@@ -98,11 +99,15 @@ def switchboard(
                 fix = (fixes or {}).get(block.layer)
                 if fix is None or block.is_parallel:
                     continue
+                if not fit_taps:  # the folded weights themselves, chosen by the switch: no extra MatMuls
+                    _switch_weights(g, block, values, fix, on, prefix, dtype)
+                    continue
+                # Fitting reads the unfixed attn_out and mlp_out, so the fix is added after the branch.
                 current = feeding.get((block.layer, "mlp"), values[block.mlp_out])
                 fixed = _fixed(g, current, values[block.attn_out], values[block.mlp_out], fix, prefix, dtype)
                 chosen = _op(g, "Where", [on, fixed, current], f"{prefix}/chosen")
                 for user, i in list(current.uses()):
-                    if user.op_type == "Add" and user is not fixed.producer() and not user.name.startswith(prefix):
+                    if user.op_type == "Add" and not user.name.startswith(prefix):
                         user.replace_input_with(i, chosen)
                 feeding[(block.layer, "mlp")] = chosen
             else:
@@ -138,6 +143,30 @@ def _add_fit_taps(g: ir.Graph, block: BlockMap, mlp: set[ir.Node], values, on: i
     for value in (on_pre, delta):
         value.type = dtype
         g.outputs.append(value)
+
+
+def _switch_weights(g: ir.Graph, block: BlockMap, values, fix, on: ir.Value, prefix: str, dtype) -> None:
+    """W_o, W_down and their biases become Where(on, folded, original), as `compensate` folds them."""
+    attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why="compensate")
+    mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why="compensate")
+    w_down, b_down = fix.mlp(mlp.weight, mlp.bias)
+    if fix.b is not None:
+        b_down = fix.b if b_down is None else b_down + fix.b
+    for p, (w, b), what in ((attn, fix.attn(attn.weight, attn.bias), "o_proj"), (mlp, (w_down, b_down), "down_proj")):
+        stored = _const(g, f"{prefix}/{what}/weight", np.asarray(w.T if p.transposed else w, dtype))
+        p.node.replace_input_with(1, _op(g, "Where", [on, stored, p.node.inputs[1]], f"{prefix}/{what}/weight_on"))
+        if b is None:
+            continue
+        bias = _const(g, f"{prefix}/{what}/bias", np.asarray(b, dtype))
+        if p.bias_site is not None:
+            node, i = p.bias_site
+            node.replace_input_with(i, _op(g, "Where", [on, bias, node.inputs[i]], f"{prefix}/{what}/bias_on"))
+            continue
+        zeros = _const(g, f"{prefix}/{what}/no_bias", np.zeros(len(b), dtype))
+        uses = list(p.output.uses())
+        added = _op(g, "Add", [p.output, _op(g, "Where", [on, bias, zeros], f"{prefix}/{what}/bias_on")], f"{prefix}/{what}/out")
+        for user, i in uses:
+            user.replace_input_with(i, added)
 
 
 def _fixed(g: ir.Graph, current: ir.Value, attn_out: ir.Value, mlp_out: ir.Value, fix, prefix: str, dtype) -> ir.Value:
