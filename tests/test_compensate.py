@@ -72,3 +72,22 @@ def test_parallel_families_and_fused_blocks_refuse_compensation(fixture_path):
     with pytest.raises(SurgeryError, match="block 1: it is fused"):
         compensate(fused, {1: Fix.gate(0.9)})
     assert compensate(fused, {0: Fix.gate(0.9)}).changed_layers == (0,)
+
+
+def test_compensated_kv_cache_folder_generates_like_the_hooked_model(tmp_path):
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    from tests.reference import Edits
+
+    tiny = Exported("llama", tmp_path)
+    arrays = planted(tiny.torch.config.hidden_size, {0, 2})
+    out = graph.write(compensate(tiny.onnx, {l: Fix(*a) for l, a in arrays.items()}).model, tmp_path / "comp", like=tiny.folder)
+    before = [(v.name, v.dtype, str(v.shape)) for v in (*tiny.onnx.graph.inputs, *tiny.onnx.graph.outputs)]
+    written = graph.load(out)
+    assert [(v.name, v.dtype, str(v.shape)) for v in (*written.graph.inputs, *written.graph.outputs)] == before
+    prompt = torch.from_numpy(IDS[:1, :5])
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = ORTModelForCausalLM.from_pretrained(out.parent).generate(prompt, **kwargs)
+    with Edits(tiny.torch, {0, 2}, fixes=arrays), torch.no_grad():
+        expected = tiny.torch.generate(prompt, **kwargs)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
