@@ -149,10 +149,7 @@ def _switch_weights(g: ir.Graph, block: BlockMap, values, fix, on: ir.Value, pre
     """W_o, W_down and their biases become Where(on, folded, original), as `compensate` folds them."""
     attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why="compensate")
     mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why="compensate")
-    w_down, b_down = fix.mlp(mlp.weight, mlp.bias)
-    if fix.b is not None:
-        b_down = fix.b if b_down is None else b_down + fix.b
-    for p, (w, b), what in ((attn, fix.attn(attn.weight, attn.bias), "o_proj"), (mlp, (w_down, b_down), "down_proj")):
+    for p, (w, b), what in zip((attn, mlp), fix.fold(attn, mlp), ("o_proj", "down_proj")):
         stored = _const(g, f"{prefix}/{what}/weight", np.asarray(w.T if p.transposed else w, dtype))
         p.node.replace_input_with(1, _op(g, "Where", [on, stored, p.node.inputs[1]], f"{prefix}/{what}/weight_on"))
         if b is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -12,6 +13,9 @@ import onnx_ir as ir
 from surgery import __version__, graph
 from surgery.blocks import BlockMap
 from surgery.errors import SurgeryError
+
+if TYPE_CHECKING:
+    from surgery.passes.projection import Projection
 
 PASS_KEY = "surgery.pass"  # node metadata: which pass made or rewired the node
 LAYER_KEY = "surgery.layer"
@@ -67,6 +71,13 @@ class Fix:
     def mlp(self, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """W_down (I + w_p) and b_down (I + w_p), float64."""
         return _times_one_plus(weight, self.w_p), None if bias is None else _times_one_plus(bias, self.w_p)
+
+    def fold(self, attn: "Projection", mlp: "Projection") -> tuple[tuple[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray | None]]:
+        """(W_o', b_o'), (W_down', b_down') of a block with this fix folded in (b goes into b_down'), float64."""
+        w_down, b_down = self.mlp(mlp.weight, mlp.bias)
+        if self.b is not None:
+            b_down = np.asarray(self.b, np.float64) if b_down is None else b_down + self.b
+        return self.attn(attn.weight, attn.bias), (w_down, b_down)
 
     def describe(self) -> str:
         """`calibrated x0.8812` for a gate, `compensated` for a full fix."""

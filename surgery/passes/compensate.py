@@ -62,10 +62,7 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
         fix, layer = fixes[block.layer], block.layer
         attn = projection.producing(values[block.attn_out], layer, "attn_out", why="compensate")
         mlp = projection.producing(values[block.mlp_out], layer, "mlp_out", why="compensate")
-        w_o, b_o = fix.attn(attn.weight, attn.bias)
-        w_down, b_down = fix.mlp(mlp.weight, mlp.bias)
-        if fix.b is not None:
-            b_down = fix.b if b_down is None else b_down + fix.b
+        (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
         projection.set_weights(g, attn, w_o.astype(dtype), None if b_o is None else b_o.astype(dtype), node_name(PASS, layer, "o_proj"))
         out = projection.set_weights(g, mlp, w_down.astype(dtype), None if b_down is None else b_down.astype(dtype), node_name(PASS, layer, "down_proj"))
         for node in {attn.node, mlp.node, out.producer()}:

@@ -85,10 +85,9 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
     folded = [fold(p, ln) for p, ln in inputs]
     w_in = np.concatenate([w for w, _ in folded], axis=1).astype(np_dtype)
     b_in = np.concatenate([b for _, b in folded]).astype(np_dtype)
-    (w_o, b_o), (w_down, b_down) = fix.attn(attn_out.weight, attn_out.bias), fix.mlp(mlp_out.weight, mlp_out.bias)
+    (w_o, b_o), (w_down, b_down) = fix.fold(attn_out, mlp_out)
     w_out = np.concatenate([w_o, w_down], axis=0).astype(np_dtype)
-    b_out = sum(b for b in (b_o, b_down, fix.b) if b is not None)
-    b_out = (np.zeros(w_out.shape[1]) if isinstance(b_out, int) else b_out).astype(np_dtype)
+    b_out = sum((b for b in (b_o, b_down) if b is not None), np.zeros(w_out.shape[1])).astype(np_dtype)
 
     nodes: list[ir.Node] = []
 
