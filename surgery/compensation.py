@@ -75,14 +75,16 @@ class NormalEquations:
         return 2 * (2 * d_model + 1) * (3 * d_model + 1) * 8
 
     def update(self, fold: int, attn_out: np.ndarray, mlp_x: np.ndarray, delta: np.ndarray, resid_post: np.ndarray) -> None:
-        """Add tokens: each argument [tokens, d_model]."""
+        """Add tokens: each argument [tokens, d_model]. One window's products are formed in the
+        activations' own precision (at least float32, what ORT computed them in) and added to the
+        float64 sums, so the sums carry no error the activations do not already have."""
         n = len(delta)
-        z = np.concatenate([attn_out, mlp_x, np.ones((n, 1))], axis=1, dtype=np.float64)
-        delta = delta.astype(np.float64)
+        dtype = np.result_type(attn_out, mlp_x, delta, np.float32)
+        z = np.concatenate([attn_out, mlp_x, np.ones((n, 1))], axis=1, dtype=dtype)
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
             self.zz[fold] += z.T @ z
-            self.zd[fold] += z.T @ delta
-        self.dd[fold] += float(np.sum(delta * delta))
+            self.zd[fold] += z.T @ delta.astype(dtype)
+        self.dd[fold] += float(np.sum(delta.astype(np.float64) ** 2))
         self.yy[fold] += float(np.sum(resid_post.astype(np.float64) ** 2))
         self.tokens[fold] += n
 

@@ -316,14 +316,14 @@ def auto(
     )
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
     written = graph.write(rewritten, out, like=model_path)
-    # Both graphs run from their files: no re-serialisation of a model in memory.
-    base = evaluate.perplexity(model_path, ev, options=options, progress=lambda n: tell("evaluation windows", n, 2 * len(ev)))
-    after = evaluate.perplexity(written, ev, options=options)
+    # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
+    base = evaluate.perplexity(model, ev, options=options, progress=lambda n: tell("evaluation windows", n, 2 * len(ev)))
+    after = evaluate.perplexity(rewritten, ev, options=options)
     tell("evaluation windows", 2 * len(ev), 2 * len(ev))
-    estimate = evaluate.branch_times(model, seq_len=seq_len).estimated_speedup(selection.layers)
+    estimate = evaluate.branch_times(model, seq_len=seq_len, runs=3).estimated_speedup(selection.layers)
     prefill = decode = timing = None
     if measure_latency:
-        timed = evaluate.latency([model_path, written], seq_len=seq_len, repeats=repeats, options=options,
+        timed = evaluate.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
                                  progress=lambda n: tell("latency (interleaved)", n, repeats))
         prefill = timed[0].prefill_ms / timed[1].prefill_ms
         decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None
