@@ -154,21 +154,20 @@ def select_layers(
     base = loss({})
     chosen: dict[int, str] = {}
     trials: list[Trial] = []
-    current, current_loss = Delta(0.0, 0.0, 0.0), base
+    current = Delta(0.0, 0.0, 0.0)
     for i, layer in enumerate(candidates):
         if max_layers is not None and len(chosen) >= max_layers:
             break
         passing = []
         for form in _forms(layer, fits, try_both):
-            result = loss({**chosen, layer: form})
-            d = evaluate.delta(base, result)
+            d = evaluate.delta(base, loss({**chosen, layer: form}))
             trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False))
             if d.dnll <= max_loss_increase:
-                passing.append((d.dnll, form, d, result, len(trials) - 1))
+                passing.append((d.dnll, form, d, len(trials) - 1))
                 if not try_both:
                     break
         if passing:
-            _, form, current, current_loss, index = min(passing, key=lambda p: p[0])
+            _, form, current, index = min(passing, key=lambda p: p[0])
             chosen[layer] = form
             trials[index] = dataclasses.replace(trials[index], kept=True)
         tell("greedy selection", i + 1, len(candidates))

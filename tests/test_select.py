@@ -9,8 +9,8 @@ from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.passes import Fix, compensate, fuse, parallelize, project
-from surgery.select import rewrite, select_layers, _forms
+from surgery.passes import Fix, fuse, parallelize, project
+from surgery.select import _forms, rewrite, select_layers
 
 runner = CliRunner()
 
