@@ -205,7 +205,7 @@ def parallelize(
     lines = [
         ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
         ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} candidates, {len(sel.trials)} trials, {len(sel.layers)} kept"),
-        ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial)"),
+        ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''})"),
         ("dNLL selection", f"{sel.dnll} nats (95 % interval; limit {max_loss_increase} on the point estimate)"),
     ]
     if sel.refit:

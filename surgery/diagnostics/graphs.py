@@ -66,9 +66,11 @@ def switchboard(
 ) -> ir.Model:
     """A graph with per-layer run-time switches.
 
-    kinds: ("parallel",), ("compensated",) or (branch, mode) as in `project`. "compensated" adds
-    fixes[layer] (a passes.Fix) to the mlp output when on: attn_out w_a + mlp_out w_p + b; switch
-    "parallel" on too for the compensated parallel block. fit_taps needs ("parallel",) in kinds.
+    kinds: ("parallel",), ("compensated",) or (branch, mode) as in `project`. "compensated" on
+    gives the block fixes[layer] (a passes.Fix): W_o and W_down switch to the folded weights, as the
+    compensate pass writes them (switch "parallel" on too for the compensated parallel block). With
+    fit_taps (which needs ("parallel",) in kinds) the fix is instead added after the branch,
+    attn_out w_a + mlp_out w_p + b, so the taps read the unfixed attn_out and mlp_out.
     """
     blocks = find_blocks(model)
     model = model.clone()
@@ -135,13 +137,13 @@ def _add_fit_taps(g: ir.Graph, block: BlockMap, mlp: set[ir.Node], values, on: i
     on_mid = _op(g, "Where", [on, twin, own], f"{prefix}/mlp_h")
     on_pre = _op(g, "Where", [on, own, twin], fit_tap(block.layer, "mlp_x"))
     delta = _op(g, "Sub", [on_mid, on_pre], fit_tap(block.layer, "delta"))
-    dtype = values[block.resid_pre].type
+    stream_type = values[block.resid_pre].type
     for what, value in (("attn_out", values[block.attn_out]), ("resid_post", values[block.resid_post])):
         value = _op(g, "Identity", [value], fit_tap(block.layer, what))
-        value.type = dtype
+        value.type = stream_type
         g.outputs.append(value)
     for value in (on_pre, delta):
-        value.type = dtype
+        value.type = stream_type
         g.outputs.append(value)
 
 
