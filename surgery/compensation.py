@@ -34,6 +34,7 @@ from surgery.diagnostics import graphs
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Fix
+from surgery.passes.compensate import refusal
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # times diag(Z'Z)
 MEMORY_BYTES = 2 << 30
@@ -50,10 +51,14 @@ class Fit:
     ridge: float | None
     residual: float | None  # held-out E|delta - fit|^2 / E|delta|^2
     c_comp: float | None  # held-out E|delta - fit|^2 / E|y|^2
-    c_stream: float  # E|delta|^2 / E|y|^2 on the fit windows (the uncompensated score)
     tokens: int
     note: str = ""
     scores: dict = dataclasses.field(default_factory=dict)  # c, c_stream, alpha on the fit windows
+
+    @property
+    def c_stream(self) -> float:
+        """E|delta|^2 / E|y|^2 on the fit windows: the uncompensated score."""
+        return self.scores["c_stream"]
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fix"}
@@ -107,7 +112,7 @@ class NormalEquations:
         finite is refused (fix None, with a note)."""
         d = self.zd.shape[2]
         tokens, scores = int(self.tokens.sum()), self.scores()
-        failed = lambda why: Fit(layer, None, None, None, None, scores["c_stream"], tokens, why, scores)  # noqa: E731
+        failed = lambda why: Fit(layer, None, None, None, None, tokens, why, scores)  # noqa: E731
         if self.tokens.min() == 0:
             return failed("too few windows to hold one fold out; give more fit windows")
         if not all(np.isfinite(a).all() for a in (self.zz, self.zd, self.dd, self.yy)):
@@ -127,7 +132,7 @@ class NormalEquations:
                 return failed("ill-conditioned: the fit is not finite; the block stays plain parallel")
             fix = Fix(w_a=weights[:d], w_p=weights[d : 2 * d], b=weights[2 * d])
         left = max(float(left), 0.0)
-        return Fit(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), scores["c_stream"], tokens, "", scores)
+        return Fit(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), tokens, "", scores)
 
 
 def _scaling(zz: np.ndarray) -> np.ndarray:
@@ -196,8 +201,9 @@ def fit(
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
 ) -> dict[int, Fit]:
-    """Fit the fix of each sequential block in `layers` (all when None) on `windows`: kind `full`
-    (least squares) or `gate` (alpha_l). Each Fit also carries the block's uncompensated scores.
+    """Fit the fix of each sequential block in `layers` (all when None; a parallel block asked for is
+    refused) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each Fit also carries the
+    block's uncompensated scores.
 
     fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
     graph holds, `on` the switches turned on, e.g. {("parallel",): {3, 7}, ("compensated",): {3}}.
@@ -207,6 +213,12 @@ def fit(
     if table is None:
         raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
     d_model = table[1]
+    for block in (b for b in blocks if layers is not None and b.layer in layers):
+        if block.is_parallel:
+            raise SurgeryError(refusal(model, block) or (
+                f"cannot compensate block {block.layer}: it is parallel already, so there is no sequential-to-parallel "
+                "defect to fit; compensate the original sequential model"
+            ))
     todo = [b.layer for b in blocks if not b.is_parallel and (layers is None or b.layer in layers)]
     if not todo:
         return {}
@@ -218,12 +230,12 @@ def fit(
     done, total = 0, len(chunks) * len(windows)
     for chunk in chunks:
         sums = {layer: NormalEquations(d_model) for layer in chunk}
-        names = [graphs.fit_tap(l, w) for l in chunk for w in ("attn_out", "mlp_x", "delta", "resid_post")]
+        names = [graphs.fit_tap(l, w) for l in chunk for w in graphs.FIT_TAPS]
         for i in range(len(windows)):
             feed = runtime.feeds(session, windows.ids[i : i + 1], extra={graphs.SWITCHES: feed_switches})
             out = dict(zip(names, session.run(names, feed)))
             for layer in chunk:  # token 0, the attention sink, left out
-                t = [out[graphs.fit_tap(layer, w)][0, 1:] for w in ("attn_out", "mlp_x", "delta", "resid_post")]
+                t = [out[graphs.fit_tap(layer, w)][0, 1:] for w in graphs.FIT_TAPS]
                 sums[layer].update(i % 2, *t)
             done += 1
             if progress:

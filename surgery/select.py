@@ -221,16 +221,6 @@ def _forms(layer: int, fits: dict[int, Fit], try_both: bool) -> tuple[str, ...]:
 def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=32,
               tokenizer=None, options=runtime.Options()) -> dict[int, Fix]:
     """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers)."""
-    blocks = find_blocks(model)
-    for layer in layers:
-        block = blocks[layer]
-        if block.fused:
-            raise SurgeryError(f"cannot compensate block {layer}: it is fused; use `parallelize --fuse --compensate` on the original model")
-        if block.is_parallel:
-            raise SurgeryError(
-                f"cannot compensate block {layer}: it is parallel in the model as exported or as given, so there is no "
-                "sequential-to-parallel defect to fit; compensate the original sequential model"
-            )
     windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
     fits = compensation.fit(model, windows, set(layers), kind=fit, options=options)
     return {l: f.fix for l, f in fits.items() if f.fix is not None}

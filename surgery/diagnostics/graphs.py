@@ -56,8 +56,11 @@ def probe(model: ir.Model, tensors=TENSORS, twin: bool = True) -> Probe:
     return Probe(tapped, tuple(outputs))
 
 
+FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what a fit graph outputs per sequential block
+
+
 def fit_tap(layer: int, what: str) -> str:
-    """Output name of a fit tap: what is attn_out, mlp_x (P), delta or resid_post."""
+    """Output name of a fit tap: `what` is one of FIT_TAPS (mlp_x is P)."""
     return f"surgery/fit/blocks.{layer}/{what}"
 
 

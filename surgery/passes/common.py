@@ -64,20 +64,17 @@ class Fix:
     def is_identity(self) -> bool:
         return self.w_a is None and self.b is None and (self.w_p is None or (np.isscalar(self.w_p) and self.w_p == 0))
 
-    def attn(self, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """W_o (I + w_a) and b_o (I + w_a), float64."""
-        return _times_one_plus(weight, self.w_a), None if bias is None else _times_one_plus(bias, self.w_a)
-
-    def mlp(self, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """W_down (I + w_p) and b_down (I + w_p), float64."""
-        return _times_one_plus(weight, self.w_p), None if bias is None else _times_one_plus(bias, self.w_p)
-
     def fold(self, attn: "Projection", mlp: "Projection") -> tuple[tuple[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray | None]]:
-        """(W_o', b_o'), (W_down', b_down') of a block with this fix folded in (b goes into b_down'), float64."""
-        w_down, b_down = self.mlp(mlp.weight, mlp.bias)
+        """(W_o (I + w_a), b_o (I + w_a)), (W_down (I + w_p), b_down (I + w_p) + b), float64; a missing bias stays None
+        (b_down' is b alone when the mlp had no bias)."""
+
+        def times(x, w):
+            return None if x is None else _times_one_plus(x, w)
+
+        b_down = times(mlp.bias, self.w_p)
         if self.b is not None:
             b_down = np.asarray(self.b, np.float64) if b_down is None else b_down + self.b
-        return self.attn(attn.weight, attn.bias), (w_down, b_down)
+        return (times(attn.weight, self.w_a), times(attn.bias, self.w_a)), (times(mlp.weight, self.w_p), b_down)
 
     def describe(self) -> str:
         """`calibrated x0.8812` for a gate, `compensated` for a full fix."""

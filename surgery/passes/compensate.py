@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import onnx_ir as ir
 
 from surgery import graph
-from surgery.blocks import FIX_KEY, branch_nodes, find_blocks
+from surgery.blocks import FIX_KEY, BlockMap, branch_nodes, find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
 from surgery.passes import projection
@@ -39,15 +39,8 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
     chosen = check_layers(fixes, blocks)
     fixes = {layer % len(blocks): fix for layer, fix in fixes.items()}
     for block in blocks:
-        if block.layer not in chosen or block.fix is not None:
-            continue
-        if block.fused:
-            raise SurgeryError(f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model")
-        if block.is_parallel and not _made_parallel(model, block):
-            raise SurgeryError(
-                f"cannot compensate block {block.layer}: it is parallel in the model as exported, so it has no "
-                "sequential-to-parallel defect to fix; use `ablate --mode scale` to rescale a branch"
-            )
+        if block.layer in chosen and block.fix is None and (why := refusal(model, block)):
+            raise SurgeryError(why)
     model = parallelize(model, chosen).model  # a copy; names of the block tensors are unchanged
     g = model.graph
     values = values_by_name(model)
@@ -75,6 +68,13 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
     return result
 
 
-def _made_parallel(model: ir.Model, block) -> bool:
-    """True when `parallelize` made this block parallel (its ln2 input was rewired), not the exporter."""
-    return any(n.metadata_props.get(PASS_KEY) == PARALLELIZE for n in branch_nodes(model, block, "mlp"))
+def refusal(model: ir.Model, block: BlockMap) -> str | None:
+    """Why `block` cannot be compensated (fused, or parallel as exported), or None."""
+    if block.fused:
+        return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
+    if block.is_parallel and not any(n.metadata_props.get(PASS_KEY) == PARALLELIZE for n in branch_nodes(model, block, "mlp")):
+        return (
+            f"cannot compensate block {block.layer}: it is parallel in the model as exported, so it has no "
+            "sequential-to-parallel defect to fix; use `ablate --mode scale` to rescale a branch"
+        )
+    return None
