@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
+import logging
+import os
+import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,18 +32,61 @@ out = Console(width=None if sys.stdout.isatty() else 10_000)
 err = Console(stderr=True)
 
 
+_QUIET_ENV = {  # what the libraries we call read to stay quiet; set before they are imported
+    "TRANSFORMERS_VERBOSITY": "error",  # transformers' and optimum's loggers (the tokenizer "legacy" notice, tied weights)
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TQDM_DISABLE": "1",  # GGUF de-quantization bars
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+_verbose = False
+
+
+@app.callback()
+def _options(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show what the libraries underneath print (transformers, optimum, torch).")] = False,
+) -> None:
+    global _verbose
+    _verbose = verbose
+    if not verbose:
+        for key, value in _QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+        warnings.simplefilter("ignore")
+        for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _command(fn):
-    """Register a command whose SurgeryError becomes `error: ...` on stderr and exit code 1."""
+    """Register a command whose failures a user can cause become one line, `error: ...` on stderr, and
+    exit code 1: SurgeryError, a full disk or a refused write, Ctrl-C or SIGTERM (outputs are written whole
+    or not at all, so an interrupted command leaves nothing behind)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             return fn(*args, **kwargs)
         except SurgeryError as e:
-            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+            _fail(str(e))
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing partial was left behind (outputs appear whole or not at all)")
+        except OSError as e:
+            from surgery.output import explain
+
+            line = explain(e)
+            if line is None:
+                raise
+            _fail(line)
 
     return app.command()(wrapper)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _fail(message: str):
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1) from None
 
 
 @contextlib.contextmanager
@@ -46,7 +94,7 @@ def _progress():
     """A stderr progress display; yields tell(stage, done, total), one bar per stage."""
     from rich.progress import Progress
 
-    with Progress(console=err, transient=True) as bar:
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bars in logs or pipes
         tasks: dict[str, int] = {}
 
         def tell(stage: str, done: int, total: int) -> None:
@@ -78,14 +126,15 @@ def export(
     opset: Annotated[Optional[int], typer.Option(help="ONNX opset; the exporter's default when unset.")] = None,
     exporter: Annotated[str, typer.Option(help="`optimum` (KV cache, ORTModelForCausalLM) or `dynamo` (torch.onnx).")] = "optimum",
     validate: Annotated[bool, typer.Option(help="Compare ONNX Runtime with torch after export (optimum).")] = False,
+    dtype: Annotated[str, typer.Option(help="`fp32`, or `fp16` (float16 weights, activations and KV cache).")] = "fp32",
 ) -> None:
     """Export a Hugging Face causal LM to an ONNX folder that optimum and ONNX Runtime can run."""
     from surgery.export import export as run_export
 
-    with contextlib.redirect_stdout(sys.stderr):  # exporters print progress; stdout is for results
-        result = run_export(source, out_dir, past=past, gguf_file=gguf_file, opset=opset, exporter=exporter, validate=validate)
-    kv = "with KV cache" if result.past else "no KV cache"
-    tok = "" if result.has_tokenizer else " (no tokenizer found: evaluation will need one)"
+    with contextlib.redirect_stdout(sys.stderr if _verbose else io.StringIO()):  # exporters print progress; stdout is for results
+        result = run_export(source, out_dir, past=past, gguf_file=gguf_file, opset=opset, exporter=exporter, validate=validate, dtype=dtype)
+    kv = ("with KV cache" if result.past else "no KV cache") + (", float16" if result.dtype == "fp16" else "")
+    tok = "" if result.has_tokenizer else " (no usable tokenizer in the source: give evaluate and parallelize --tokenizer)"
     out.print(
         f"exported {result.model_type}, {result.n_layers} layers, {kv}, by {result.exporter} "
         f"in {result.seconds:.1f} s -> {result.folder}{tok}",
@@ -247,6 +296,7 @@ def _rewrite(model_path: Path, out_path: Path, layers: str, as_json: bool, apply
     from surgery.layers import parse_layers
 
     model = graph.load(model_path)
+    graph.check_output(out_path, model_path, model)
     chosen = parse_layers(layers, len(find_blocks(model, where=str(model_path))))
     result = apply(model, chosen)
     written = graph.write(result.model, out_path, like=model_path)
@@ -365,11 +415,12 @@ def diagnose(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
-    from surgery import report, runtime
+    from surgery import output, report, runtime
     from surgery.diagnostics import SECTIONS
     from surgery.diagnostics import diagnose as run
 
     sections = SECTIONS if only.strip() == "all" else tuple(s.strip() for s in only.split(",") if s.strip())
+    output.check(report_dir)
     with _progress() as tell:
         result = run(
             model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+import onnxruntime as ort
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from surgery import graph, runtime
@@ -160,7 +161,7 @@ def perplexity(
 
 
 def latency(
-    models: Sequence[ir.Model | str | Path],
+    models: Sequence[ir.Model | str | Path | ort.InferenceSession],
     *,
     batch: int = 1,
     seq_len: int = 256,
@@ -168,25 +169,27 @@ def latency(
     warmup: int = 3,
     options: runtime.Options = runtime.Options(),
     seed: int = 0,
+    bind: bool | None = None,
     progress: Progress | None = None,
 ) -> list[Latency]:
     """Prefill and decode wall times of each model, with the repeats of all models interleaved.
 
     Each repeat runs every model's prefill, then every model's decode, starting from a different
-    model each time, so drift on the machine falls on all graphs alike. Same session options for all.
+    model each time, so drift on the machine falls on all graphs alike. Same session options for all
+    (sessions given ready-made are used as they are). bind: IO binding, as runtime.Prepared (None:
+    on CUDA); the decode's past is then the prefill's present, left on the device.
     """
-    sessions = [runtime.session(m, options) for m in models]
+    sessions = [m if isinstance(m, ort.InferenceSession) else runtime.session(m, options) for m in models]
     rng = np.random.default_rng(seed)
     vocab = runtime.vocab_size(sessions[0])
     ids = rng.integers(0, vocab, size=(batch, seq_len))
     next_ids = rng.integers(0, vocab, size=(batch, 1))
     prefill, decode = [], []
     for sess in sessions:
-        inputs = runtime.feeds(sess, ids)
-        prefill.append(runtime.Prepared(sess, inputs))
+        prefill.append(runtime.Prepared(sess, runtime.feeds(sess, ids), bind))
         if runtime.has_kv_cache(sess):
-            past = runtime.present_as_past(sess, sess.run(None, inputs))
-            decode.append(runtime.Prepared(sess, runtime.feeds(sess, next_ids, past)))
+            prefill[-1]()
+            decode.append(runtime.Prepared(sess, runtime.decode_inputs(prefill[-1], next_ids), bind))
         else:
             decode.append(None)
     for run in prefill + [d for d in decode if d is not None]:

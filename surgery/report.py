@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import html
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
+
+from surgery import output
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
@@ -16,19 +16,11 @@ SCHEMA = Path(__file__).with_name("report.schema.json")
 def write(report: dict, out_dir: str | Path) -> Path:
     """Write the report folder atomically; return its path."""
     out_dir = Path(out_dir)
-    partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with output.folder(out_dir) as partial:
         plots = _plots(report, partial)
         (partial / "report.json").write_text(json.dumps(report, indent=2))
         (partial / "report.md").write_text(markdown(report, plots))
         (partial / "report.html").write_text(_html(report, plots))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        partial.rename(out_dir)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return out_dir
 
 

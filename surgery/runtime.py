@@ -156,6 +156,12 @@ def feeds(
                 out[arg.name] = past[arg.name]
             else:
                 heads, head_dim = arg.shape[1], arg.shape[3]
+                if not (isinstance(heads, int) and isinstance(head_dim, int)):
+                    raise SurgeryError(
+                        f"graph input {arg.name} {arg.shape} leaves the number of KV heads or the head size symbolic, so "
+                        "surgery cannot make an empty KV cache for it; put the model's config.json (num_key_value_heads, "
+                        "head_dim) beside the .onnx file"
+                    )
                 dtype = np.float16 if "float16" in arg.type else np.float32
                 out[arg.name] = np.zeros((batch, heads, 0, head_dim), dtype=dtype)
         else:
@@ -180,25 +186,67 @@ def present_as_past(sess: ort.InferenceSession, outputs: list[np.ndarray]) -> di
     }
 
 
-class Prepared:
-    """A run with its inputs already placed where the session runs (IO binding on CUDA); call it to run."""
+Feed = np.ndarray | ort.OrtValue
 
-    def __init__(self, sess: ort.InferenceSession, inputs: dict[str, np.ndarray]):
+
+class Prepared:
+    """A run with its inputs already placed where the session runs; call it to run, outputs() for what it gave.
+
+    bind: IO binding, inputs placed on the session's device once (here) and outputs left there, so a
+    call copies nothing to or from the host. None binds when the session is on CUDA; True binds on
+    CPU too (host buffers: the same code path, testable without a GPU); False runs sess.run.
+    Inputs may be OrtValues already on the device, such as a bound run's present (decode_inputs).
+    """
+
+    def __init__(self, sess: ort.InferenceSession, inputs: dict[str, Feed], bind: bool | None = None):
         self.sess, self.inputs = sess, inputs
-        self.binding = None
-        if on_cuda(sess):
+        self.device = "cuda" if on_cuda(sess) else "cpu"
+        self.binding, self._outputs = None, None
+        if bind or (bind is None and self.device == "cuda"):
+            # the OrtValues are kept: a CPU one borrows its array's buffer, which must outlive the binding
+            self.inputs = {
+                name: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), self.device, 0)
+                for name, v in inputs.items()
+            }
             self.binding = sess.io_binding()
-            for name, array in inputs.items():
-                self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
-            for out in sess.get_outputs():
-                self.binding.bind_output(out.name, "cuda", 0)
+            for name, value in self.inputs.items():
+                self.binding.bind_ortvalue_input(name, value)
+            self._bind_outputs()
+
+    def _bind_outputs(self) -> None:
+        self.binding.clear_binding_outputs()
+        for out in self.sess.get_outputs():
+            self.binding.bind_output(out.name, self.device, 0)
 
     def __call__(self) -> None:
         if self.binding is None:
-            self.sess.run(None, self.inputs)
+            self._outputs = self.sess.run(None, self.inputs)
         else:
             self.sess.run_with_iobinding(self.binding)
             self.binding.synchronize_outputs()
+
+    def outputs(self, keep: bool = False) -> list[Feed]:
+        """The last call's outputs, in the order of sess.get_outputs(): OrtValues left on the device when
+        bound, else arrays. A bound run writes its next outputs into the same buffers; keep=True hands
+        these over for good (the next call allocates new ones), so they can be another run's inputs."""
+        if self.binding is None:
+            return list(self._outputs)
+        values = self.binding.get_outputs()
+        if keep:
+            self._bind_outputs()
+        return values
+
+
+def decode_inputs(prefill: Prepared, next_ids: np.ndarray) -> dict[str, Feed]:
+    """Inputs of the one-token step after `prefill` has run: its present as the past, left where it lies
+    (on the device when `prefill` is bound: no host copy), the mask and positions one step on."""
+    past = present_as_past(prefill.sess, prefill.outputs(keep=True))
+    # feeds reads only the cache length from the past: zero-copy stand-ins of the right shape
+    stand_ins = {
+        name: np.broadcast_to(np.zeros((), np.float32), v.shape() if isinstance(v, ort.OrtValue) else v.shape)
+        for name, v in past.items()
+    }
+    return {**feeds(prefill.sess, next_ids, stand_ins), **past}
 
 
 def vocab_size(sess: ort.InferenceSession) -> int:

@@ -292,6 +292,7 @@ def auto(
     """
     tell = progress or (lambda stage, done, total: None)
     model = graph.load(model_path)
+    graph.check_output(out, model_path, model)
     find_blocks(model, where=str(model_path))
     get = lambda part, count: data.windows(model_path, corpus, seq_len=seq_len, max_windows=count, part=part, tokenizer=tokenizer)  # noqa: E731
     if fit is not None:
@@ -304,7 +305,6 @@ def auto(
         protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
     )
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
-    written = graph.write(rewritten, out, like=model_path)
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
     base = evaluate.perplexity(model, ev, options=options, progress=lambda n: tell("evaluation windows", n, 2 * len(ev)))
     after = evaluate.perplexity(rewritten, ev, options=options)
@@ -321,8 +321,6 @@ def auto(
     form = ("fused " if fused else "") + kinds[fit]
     described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
     outcome = Outcome(selection, form, base.loss, evaluate.delta(base, after), ev.tokens, estimate, prefill, decode, timing, described)
-    report = written.parent / "selection.json" if Path(model_path).is_dir() else written.with_suffix(".selection.json")
-    partial = report.with_name(f".{report.name}.partial")
-    partial.write_text(json.dumps(outcome.to_json(), indent=2))
-    partial.replace(report)
+    report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
+    written = graph.write(rewritten, out, like=model_path, extra={report: json.dumps(outcome.to_json(), indent=2)})
     return outcome, written

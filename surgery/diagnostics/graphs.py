@@ -25,6 +25,7 @@ from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.graph import values_by_name
 from surgery.passes import projection
 from surgery.passes.parallel import redirect
+from surgery.passes.common import float_dtype
 from surgery.passes.project import edit_nodes
 
 SWITCHES, FIELD_IN, FIELD_OUT = "surgery_switches", "surgery_z", "surgery_field"
@@ -79,7 +80,7 @@ def switchboard(
     model = model.clone()
     g = model.graph
     values = values_by_name(model)
-    dtype = graph.stream_dtype(model).numpy()
+    dtype = float_dtype(model)
     n = len(blocks)
     switches = ir.Value(name=SWITCHES, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([len(kinds), n]))
     g.inputs.append(switches)
@@ -105,7 +106,7 @@ def switchboard(
                 if fix is None or block.is_parallel:
                     continue
                 if not fit_taps:  # the folded weights themselves, chosen by the switch: no extra MatMuls
-                    _switch_weights(g, block, values, fix, on, prefix, dtype)
+                    _switch_weights(g, block, values, fix, on, prefix)
                     continue
                 # Fitting reads the unfixed attn_out and mlp_out, so the fix is added after the branch.
                 current = feeding.get((block.layer, "mlp"), values[block.mlp_out])
@@ -119,7 +120,7 @@ def switchboard(
                 branch, mode = kind
                 out = values[block.mlp_out if branch == "mlp" else block.attn_out]
                 ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
-                nodes, edited = edit_nodes(out, ref, mode, None, prefix, dtype)
+                nodes, edited = edit_nodes(out, ref, mode, None, prefix, float_dtype(model, out))
                 g.extend(nodes)
                 current = feeding.get((block.layer, branch), out)
                 chosen = _op(g, "Where", [on, edited, current], f"{prefix}/chosen")
@@ -150,21 +151,22 @@ def _add_fit_taps(g: ir.Graph, block: BlockMap, mlp: set[ir.Node], values, on: i
         g.outputs.append(value)
 
 
-def _switch_weights(g: ir.Graph, block: BlockMap, values, fix, on: ir.Value, prefix: str, dtype) -> None:
+def _switch_weights(g: ir.Graph, block: BlockMap, values, fix, on: ir.Value, prefix: str) -> None:
     """W_o, W_down and their biases become Where(on, folded, original), as `compensate` folds them."""
     attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why="compensate")
     mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why="compensate")
     for p, (w, b), what in zip((attn, mlp), fix.fold(attn, mlp), ("o_proj", "down_proj")):
-        stored = _const(g, f"{prefix}/{what}/weight", np.asarray(w.T if p.transposed else w, dtype))
+        w, b = projection.rounded(p, w, b)  # as `compensate` writes them
+        stored = _const(g, f"{prefix}/{what}/weight", np.ascontiguousarray(w.T if p.transposed else w))
         p.node.replace_input_with(1, _op(g, "Where", [on, stored, p.node.inputs[1]], f"{prefix}/{what}/weight_on"))
         if b is None:
             continue
-        bias = _const(g, f"{prefix}/{what}/bias", np.asarray(b, dtype))
+        bias = _const(g, f"{prefix}/{what}/bias", b)
         if p.bias_site is not None:
             node, i = p.bias_site
             node.replace_input_with(i, _op(g, "Where", [on, bias, node.inputs[i]], f"{prefix}/{what}/bias_on"))
             continue
-        zeros = _const(g, f"{prefix}/{what}/no_bias", np.zeros(len(b), dtype))
+        zeros = _const(g, f"{prefix}/{what}/no_bias", np.zeros(len(b), b.dtype))
         uses = list(p.output.uses())
         added = _op(g, "Add", [p.output, _op(g, "Where", [on, bias, zeros], f"{prefix}/{what}/bias_on")], f"{prefix}/{what}/out")
         for user, i in uses:

@@ -92,6 +92,24 @@ def _times_one_plus(x: np.ndarray, w: np.ndarray | float | None) -> np.ndarray:
     return x + x @ np.asarray(w, np.float64)
 
 
+def float_dtype(model: ir.Model, value: ir.Value | None = None) -> np.dtype:
+    """The NumPy float type of `value` when the graph records it, else of the residual stream.
+
+    Constants a pass adds take this type, so an fp16 graph stays fp16 (optimum leaves most
+    intermediate values untyped; the token embedding table says what the stream is).
+    """
+    dtype = value.dtype if value is not None else None
+    if dtype is None or not dtype.is_floating_point():
+        dtype = graph.stream_dtype(model)
+    return np.dtype(dtype.numpy())
+
+
+def narrower_than_float32(dtype) -> bool:
+    """fp16 / bf16: sums of squares over d_model overflow or lose digits there, so passes compute
+    them in float32 between Casts, as the exporters' own normalisations do."""
+    return np.dtype(dtype).itemsize < 4
+
+
 def check_layers(layers: Collection[int], blocks: list[BlockMap]) -> set[int]:
     """Selected layers as non-negative indices; negative ones count from the end."""
     n = len(blocks)

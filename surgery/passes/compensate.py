@@ -7,7 +7,7 @@ Each chosen block is parallelized (ln2 reads resid_pre) and its Fix folded into 
 
 so resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b with the ops of parallel(l)
 (plus one bias Add where the mlp projection had no bias and b is given). Products are taken in
-float64 and rounded once to the graph's dtype. New weights are new initializers: an external data
+float64 and rounded once to each weight's own type (an fp16 graph stays fp16). New weights are new initializers: an external data
 file is never modified, and only the two projections of each chosen block are read.
 """
 
@@ -17,7 +17,6 @@ from collections.abc import Mapping
 
 import onnx_ir as ir
 
-from surgery import graph
 from surgery.blocks import FIX_KEY, BlockMap, branch_nodes, find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
@@ -44,7 +43,6 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
     model = parallelize(model, chosen).model  # a copy; names of the block tensors are unchanged
     g = model.graph
     values = values_by_name(model)
-    dtype = graph.stream_dtype(model).numpy()
     changes = []
     for block in blocks:
         if block.layer not in chosen:
@@ -56,8 +54,8 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
         attn = projection.producing(values[block.attn_out], layer, "attn_out", why="compensate")
         mlp = projection.producing(values[block.mlp_out], layer, "mlp_out", why="compensate")
         (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
-        projection.set_weights(g, attn, w_o.astype(dtype), None if b_o is None else b_o.astype(dtype), node_name(PASS, layer, "o_proj"))
-        out = projection.set_weights(g, mlp, w_down.astype(dtype), None if b_down is None else b_down.astype(dtype), node_name(PASS, layer, "down_proj"))
+        projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o), node_name(PASS, layer, "o_proj"))
+        out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down), node_name(PASS, layer, "down_proj"))
         for node in {attn.node, mlp.node, out.producer()}:
             tag(node, PASS, layer)
         mlp.node.metadata_props[FIX_KEY] = fix.describe()

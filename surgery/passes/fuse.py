@@ -22,7 +22,7 @@ from surgery.blocks import FIX_KEY, BlockMap, block_norms, find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
 from surgery.passes import projection
-from surgery.passes.common import Change, Fix, SurgeryResult, check_layers, node_name, record, tag
+from surgery.passes.common import Change, Fix, SurgeryResult, check_layers, narrower_than_float32, node_name, record, tag
 from surgery.passes.parallel import parallelize
 
 PASS = "fuse"
@@ -61,8 +61,6 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
     if ln1.kind != ln2.kind:
         raise SurgeryError(f"cannot fuse block {layer}: ln1 is {ln1.kind} but ln2 is {ln2.kind}")
     x = values[block.resid_pre]
-    dtype = x.dtype or values[ln1.scale].dtype
-    np_dtype = dtype.numpy()
 
     inputs = []  # (projection, ln) in the order their outputs are concatenated
     for ln in (ln1, ln2):
@@ -82,12 +80,15 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
             bias = bias + values[ln.bias].const_value.numpy().astype(np.float64) @ weight
         return scale[:, None] * weight, bias
 
+    # Folded in float64 and rounded once to the weights' own type (the graph's: fp16 stays fp16).
+    np_dtype = np.result_type(*(p.weight for p, _ in inputs))
     folded = [fold(p, ln) for p, ln in inputs]
     w_in = np.concatenate([w for w, _ in folded], axis=1).astype(np_dtype)
     b_in = np.concatenate([b for _, b in folded]).astype(np_dtype)
     (w_o, b_o), (w_down, b_down) = fix.fold(attn_out, mlp_out)
-    w_out = np.concatenate([w_o, w_down], axis=0).astype(np_dtype)
-    b_out = sum((b for b in (b_o, b_down) if b is not None), np.zeros(w_out.shape[1])).astype(np_dtype)
+    out_dtype = np.result_type(attn_out.weight, mlp_out.weight)
+    w_out = np.concatenate([w_o, w_down], axis=0).astype(out_dtype)
+    b_out = sum((b for b in (b_o, b_down) if b is not None), np.zeros(w_out.shape[1])).astype(out_dtype)
 
     nodes: list[ir.Node] = []
 
@@ -131,8 +132,12 @@ def _normalize(op, const, x, ln, d_model: int, np_dtype):
     axes = const("axes", np.array([-1], dtype=np.int64))
     if ln.kind == "LayerNorm":
         ones, zeros = const("ones", np.ones(d_model, np_dtype)), const("zeros", np.zeros(d_model, np_dtype))
-        return op("LayerNormalization", [x, ones, zeros], "norm", axis=-1, epsilon=ln.eps)
-    square = op("Mul", [x, x], "square")
+        return op("LayerNormalization", [x, ones, zeros], "norm", axis=-1, epsilon=ln.eps)  # statistics in float32 (stash_type)
+    narrow = narrower_than_float32(np_dtype)  # x**2 over d_model overflows float16: float32 between Casts, as the exporter's RMSNorm
+    wide = op("Cast", [x], "resid_pre_float", to=ir.DataType.FLOAT) if narrow else x
+    square = op("Mul", [wide, wide], "square")
     mean = op("ReduceMean", [square, axes], "mean_square", keepdims=1)
-    rms = op("Sqrt", [op("Add", [mean, const("eps", np.array(ln.eps, np_dtype))], "plus_eps")], "rms")
-    return op("Div", [x, rms], "norm")
+    eps = np.array(ln.eps, np.float32 if narrow else np_dtype)
+    rms = op("Sqrt", [op("Add", [mean, const("eps", eps)], "plus_eps")], "rms")
+    n = op("Div", [wide, rms], "norm")
+    return op("Cast", [n], "norm_" + np_dtype.name, to=ir.DataType.from_numpy(np_dtype)) if narrow else n

@@ -13,10 +13,9 @@ from collections.abc import Collection
 import numpy as np
 import onnx_ir as ir
 
-from surgery import graph
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag
+from surgery.passes.common import Change, SurgeryResult, check_layers, float_dtype, narrower_than_float32, node_name, record, tag
 from surgery.graph import values_by_name
 
 PASS = "project"
@@ -38,7 +37,6 @@ def project(
     chosen = check_layers(layers, blocks)
     values = values_by_name(model)
     taken = set(values)
-    dtype = graph.stream_dtype(model).numpy()
     changes = []
     for block in blocks:
         if block.layer not in chosen:
@@ -54,7 +52,7 @@ def project(
             continue
         ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
         prefix = unique_name(node_name(PASS, block.layer, f"{branch}_out_{mode}"), taken)
-        nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, dtype)
+        nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, float_dtype(model, out))
         for node in nodes:
             tag(node, PASS, block.layer)
         nodes[-1].metadata_props[EDIT_KEY] = label
@@ -82,7 +80,12 @@ def _check(branch: str, mode: str, scale: float | None) -> str:
 
 
 def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype) -> tuple[list[ir.Node], ir.Value]:
-    """Nodes computing the edited branch output from `out` [batch, pos, d_model] and direction source `ref`."""
+    """Nodes computing the edited branch output from `out` [batch, pos, d_model] and direction source `ref`.
+
+    dtype: the branch output's float type; constants take it. In fp16 / bf16 the tangential and
+    radial parts are computed in float32 between Casts: |ref|^2 over d_model overflows float16
+    (SmolLM2's residual stream has coordinates near 1e4).
+    """
     nodes: list[ir.Node] = []
 
     def op(op_type, inputs, what, **attributes):
@@ -98,13 +101,20 @@ def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtyp
         factor = const("factor", np.array(0.0 if mode == "remove" else scale, dtype=dtype))
         result = op("Mul", [out, factor], "scaled")
     else:
+        narrow = narrower_than_float32(dtype)
+        if narrow:
+            out = op("Cast", [out], "out_float", to=ir.DataType.FLOAT)
+            ref = op("Cast", [ref], "ref_float", to=ir.DataType.FLOAT)
+        work = np.float32 if narrow else dtype
         axes = const("axes", np.array([-1], dtype=np.int64))
         dot = op("ReduceSum", [op("Mul", [ref, out], "ref_times_out"), axes], "dot", keepdims=1)  # [batch, pos, 1]
         norm2 = op("ReduceSum", [op("Mul", [ref, ref], "ref_squared"), axes], "ref_norm2", keepdims=1)
-        tiny = const("tiny", np.array(np.finfo(dtype).tiny, dtype=dtype))
+        tiny = const("tiny", np.array(np.finfo(work).tiny, dtype=work))
         coef = op("Div", [dot, op("Max", [norm2, tiny], "ref_norm2_safe")], "coef")  # <d, B> / |ref| along d
         radial = op("Mul", [coef, ref], "radial")
         result = radial if mode == "radial" else op("Sub", [out, radial], "tangential")
+        if narrow:  # rounded once, back to the branch output's type
+            result = op("Cast", [result], "to_" + np.dtype(dtype).name, to=ir.DataType.from_numpy(np.dtype(dtype)))
     result.name = prefix
     return nodes, result
 

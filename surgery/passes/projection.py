@@ -104,6 +104,12 @@ def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projec
     raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is not a MatMul or Gemm with constant weights")
 
 
+def rounded(p: Projection, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """A folded (float64) weight and bias for `p`, rounded once to the type of p's weight."""
+    dtype = p.weight.dtype
+    return weight.astype(dtype), None if bias is None else bias.astype(dtype)
+
+
 def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.ndarray | None, name: str) -> ir.Value:
     """Give projection `p` a new weight [in, out] and bias [out] (new initializers named `name`/...).
 
