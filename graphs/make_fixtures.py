@@ -58,6 +58,11 @@ def tiny_config(family: str, **overrides):
                                        num_key_value_heads=2, **common),
         "qwen2": lambda: T.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                        num_key_value_heads=2, **common),
+        # norms on the branch outputs: Gemma 2 before and after each branch, OLMo 2 after only
+        "gemma2": lambda: T.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, sliding_window=256, pad_token_id=0, **common),
+        "olmo2": lambda: T.Olmo2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                       num_key_value_heads=2, pad_token_id=0, **common),
         "mistral": lambda: T.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                            num_key_value_heads=2, sliding_window=None, **common),
     }

@@ -50,6 +50,7 @@ class BlockMap:
     mlp_kind: str  # "gated" (act(x W_gate) * x W_up), "plain" (act(x W_in)), or "fused"
     fused: bool = False  # one MatMul computes attn_out + mlp_out; both fields name that sum
     fix: str | None = None  # a fix folded into the output projections by `compensate` (what it is)
+    post_norm: bool = False  # the branch outputs are normalised before the residual add (Gemma 2, OLMo 2)
 
     @property
     def is_parallel(self) -> bool:
@@ -93,25 +94,25 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
             f"found no transformer blocks in {where}: it has no LayerNorm or RMSNorm "
             f"(ops: {_op_summary(graph)}); export a decoder LM with `surgery export`"
         )
-    stream = set(norms)
 
-    # Walk the residual stream backwards from the value the last normalisation reads.
-    current = max(stream, key=lambda v: _position(v, order))
+    # Walk the residual stream backwards from the value the last normalisation reads. Each stream
+    # value is a sum; the previous stream value is the term every other term is computed from.
+    current = max(norms, key=lambda v: _position(v, order))
     steps: list[tuple[ir.Value, ir.Value, list[ir.Value]]] = []  # (prev stream value, next, branch outputs)
     while True:
-        terms = _sum_terms(current, stream, is_const, top=True)
-        previous = [t for t in terms if t in stream and t is not current]
-        if len(previous) != 1:
+        terms = _sum_terms(current, is_const)
+        skip = _skip(terms, order)
+        if skip is None:
             break
-        branches = [t for t in terms if t is not previous[0]]
-        steps.append((previous[0], current, branches))
-        current = previous[0]
+        steps.append((_strip_casts(skip), current, [t for t in terms if t is not skip]))
+        current = _strip_casts(skip)
     steps.reverse()
     if not steps:
         raise SurgeryError(
-            f"found no transformer blocks in {where}: {len(stream)} normalisation input(s) "
+            f"found no transformer blocks in {where}: {len(norms)} normalisation input(s) "
             f"but no residual Add around them (ops: {_op_summary(graph)}); export a decoder LM with `surgery export`"
         )
+    stream = {v for pre, post, _ in steps for v in (pre, post)}
 
     blocks: list[BlockMap] = []
     i = 0
@@ -232,10 +233,11 @@ def _read_norm(node: ir.Node, x: ir.Value, layer: int, which: str) -> Norm:
 
 
 def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) -> BlockMap:
-    ln_kinds = sorted(set(norms[pre]))
+    ln_kinds = sorted(set(norms.get(pre, []))) or ["none"]
     mlp_nodes = _branch_nodes(mlp, stream)
     weights = sum(1 for n in mlp_nodes if n.op_type in ("MatMul", "Gemm") and any(is_const(x) for x in n.inputs))
     fix = next((n.metadata_props[FIX_KEY] for n in mlp_nodes if FIX_KEY in n.metadata_props), None)
+    post_norm = any(_normalised(out, norms, stream) for out in (attn, mlp))
     return BlockMap(
         layer=layer,
         resid_pre=pre.name,
@@ -247,7 +249,25 @@ def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) ->
         ln_kind=" / ".join(ln_kinds),
         mlp_kind="gated" if weights >= 3 else "plain",
         fix=fix,
+        post_norm=post_norm,
     )
+
+
+def _normalised(out: ir.Value, norms: dict[ir.Value, list[str]], stream: set[ir.Value]) -> bool:
+    """True when the branch output `out` is a normalisation's output: a value a normalisation reads is
+    reached from it backwards without crossing a projection (q / k norms inside attention do not count)."""
+    seen: set[ir.Node] = set()
+    todo = [out]
+    while todo:
+        value = todo.pop()
+        if value in norms and value not in stream:
+            return True
+        node = value.producer()
+        if node is None or node in seen or node.op_type in ("MatMul", "Gemm") or node.op_type in ATTENTION_OPS:
+            continue
+        seen.add(node)
+        todo.extend(x for x in node.inputs if x is not None and x not in stream)
+    return False
 
 
 def _find_norms(graph: ir.Graph) -> dict[ir.Value, list[str]]:
@@ -345,19 +365,59 @@ class _ConstantTest:
         return False
 
 
-def _sum_terms(value: ir.Value, stream: set[ir.Value], is_const: _ConstantTest, top: bool = False) -> list[ir.Value]:
-    """Flatten `value` as a sum: descend through Adds of two computed operands, stopping at stream values.
-
-    Exporters may let the residual Add read an identity Cast that a normalisation also reads; the
-    stream value is the Cast's input.
-    """
-    stripped = _strip_casts(value)
-    if not top and stripped in stream:
-        return [stripped]
-    node = stripped.producer()
+def _sum_terms(value: ir.Value, is_const: _ConstantTest) -> list[ir.Value]:
+    """Flatten the stream value `value` as a sum: descend through Adds of two computed operands into
+    operands that only the Add reads; an operand something else reads too is a stream value or a
+    branch output. Exporters may let the residual Add read an identity Cast that a normalisation also
+    reads; the stream value is then the Cast's input (see _skip's caller)."""
+    node = _strip_casts(value).producer()
     if node is None or node.op_type != "Add" or len(node.inputs) != 2 or any(is_const(x) for x in node.inputs):
         return [value]
-    return [t for operand in node.inputs for t in _sum_terms(operand, stream, is_const)]
+    terms = []
+    for operand in node.inputs:
+        inner = _strip_casts(operand).producer()
+        if inner is not None and inner.op_type == "Add" and _read_once(operand):
+            terms += _sum_terms(operand, is_const)
+        else:
+            terms.append(operand)
+    return terms if len(terms) > 1 else [value]
+
+
+def _read_once(value: ir.Value) -> bool:
+    """True when only one node reads `value`, and only one reads each value it is a Cast / Identity of."""
+    while True:
+        if len(value.uses()) != 1 or value.is_graph_output():
+            return False
+        node = value.producer()
+        if node is None or node.op_type not in ("Cast", "Identity"):
+            return True
+        value = node.inputs[0]
+
+
+def _skip(terms: list[ir.Value], order: dict[ir.Node, int]) -> ir.Value | None:
+    """The residual operand of a sum: the one term every other term is computed from (None if none is).
+    This is what tells the stream from a branch whose output is normalised (Gemma 2, OLMo 2)."""
+    if len(terms) < 2:
+        return None
+    found = [t for t in terms if all(o is t or _depends(o, _strip_casts(t), order) for o in terms)]
+    return found[0] if len(found) == 1 else None
+
+
+def _depends(value: ir.Value, on: ir.Value, order: dict[ir.Node, int]) -> bool:
+    """True when `value` is computed from `on`. Only nodes after `on`'s producer can read it."""
+    start = _position(on, order)
+    seen: set[ir.Node] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if v is on:
+            return True
+        node = v.producer()
+        if node is None or node in seen or order[node] <= start:
+            continue
+        seen.add(node)
+        todo.extend(x for x in node.inputs if x is not None)
+    return False
 
 
 def _branch_nodes(output: ir.Value, stream: set[ir.Value]) -> set[ir.Node]:

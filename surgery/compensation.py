@@ -201,8 +201,8 @@ def fit(
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
 ) -> dict[int, Fit]:
-    """Fit the fix of each sequential block in `layers` (all when None; a parallel block asked for is
-    refused) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each Fit also carries the
+    """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
+    normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each Fit also carries the
     block's uncompensated scores.
 
     fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
@@ -214,7 +214,7 @@ def fit(
         raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
     d_model = table[1]
     for block in (b for b in blocks if layers is not None and b.layer in layers):
-        if block.is_parallel:
+        if block.is_parallel or block.post_norm:
             raise SurgeryError(refusal(model, block) or (
                 f"cannot compensate block {block.layer}: it is parallel already, so there is no sequential-to-parallel "
                 "defect to fit; compensate the original sequential model"
@@ -242,5 +242,7 @@ def fit(
                 progress(done, total)
         for layer in chunk:
             results[layer] = sums[layer].solve(layer, kind, ridges)
+            if blocks[layer].post_norm:  # scored, but its fix has nowhere to go: the block stays plain
+                results[layer] = dataclasses.replace(results[layer], fix=None, note="branch outputs are normalised: no fold")
         del sums
     return results

@@ -7,11 +7,12 @@ from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
 
 FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "mistral"]
+BRANCH_NORMED = ["gemma2", "olmo2"]  # norms on the branch outputs: the stream is told from a branch by dependence
 EXPORTS = [("optimum", True), ("optimum", False), ("dynamo", False)]
+CASES = [(f, *e) for f in FAMILIES for e in EXPORTS] + [(f, *e) for f in BRANCH_NORMED for e in (EXPORTS[0], EXPORTS[2])]
 
 
-@pytest.mark.parametrize("exporter,past", EXPORTS, ids=["optimum-past", "optimum", "dynamo"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,exporter,past", CASES, ids=[f"{f}-{e}{'-past' if p else ''}" for f, e, p in CASES])
 def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_path):
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
@@ -29,7 +30,8 @@ def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_pat
     assert len(blocks) == reference.config.num_hidden_layers
     parallel = family.endswith("parallel")
     assert all(b.is_parallel == parallel for b in blocks)
-    assert all(("LayerNorm" if family.startswith("gpt") else "RMSNorm") in b.ln_kind for b in blocks)
+    ln = {"olmo2": "none"}.get(family, "LayerNorm" if family.startswith("gpt") else "RMSNorm")  # OLMo 2: no norm before a branch
+    assert all(ln in b.ln_kind for b in blocks)
     assert all(b.mlp_kind == ("plain" if family.startswith("gpt") else "gated") for b in blocks)
 
     ids = np.random.default_rng(0).integers(0, reference.config.vocab_size, size=(2, 11))

@@ -9,7 +9,7 @@ from surgery.passes import MODES, parallelize, project
 
 torch = pytest.importorskip("torch")
 
-FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2"]
+FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "gemma2", "olmo2"]
 LAYER_SETS = [{1}, {0, 2}, {0, 1, 2}]
 IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
 
@@ -148,3 +148,19 @@ def test_bad_pass_options_are_one_clear_error(fixture_path):
         project(model, "ffn", "radial", {0})
     with pytest.raises(SurgeryError, match="out of range"):
         parallelize(model, {3})
+
+
+def test_normalised_branch_outputs_are_found_and_refuse_folding(tiny):
+    from surgery.passes import compensate, fuse
+    from surgery.passes.common import Fix
+
+    blocks = find_blocks(tiny.onnx)
+    normalised = tiny.torch.config.model_type in ("gemma2", "olmo2")
+    assert all(b.post_norm == normalised for b in blocks)
+    if not normalised:
+        return
+    d = tiny.torch.config.hidden_size
+    fix = Fix(np.zeros((d, d)), np.zeros((d, d)), np.zeros(d))
+    for rewrite in (lambda: fuse(tiny.onnx, {1}), lambda: compensate(tiny.onnx, {1: fix})):
+        with pytest.raises(SurgeryError, match="block 1: it normalises its branch outputs"):
+            rewrite()

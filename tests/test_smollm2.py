@@ -18,12 +18,7 @@ pytestmark = [
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smollm2") / "onnx"
-    result = CliRunner().invoke(app, ["export", "smollm2-135m", "-o", str(folder)])
-    assert result.exit_code == 0, result.output
-    return folder
+# `smollm2` (the fp32 export, made once per session) is in conftest.py: tests/test_fp16.py compares against it.
 
 
 def test_inspect_shows_30_sequential_blocks(smollm2):

@@ -35,7 +35,14 @@ def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | No
     the compensated, or with Fix.gate(alpha) the calibrated, parallel block.
     """
     fixes = dict(fixes or {})
-    chosen = check_layers(layers, find_blocks(model))
+    blocks = find_blocks(model)
+    chosen = check_layers(layers, blocks)
+    for block in blocks:
+        if block.layer in chosen and block.post_norm:
+            raise SurgeryError(
+                f"cannot fuse block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so attn_out "
+                "and mlp_out cannot come from one [o ; down] MatMul; parallelize it without --fuse"
+            )
     parallel = parallelize(model, chosen)
     model = parallel.model  # already a copy
     changes = []
