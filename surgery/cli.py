@@ -64,6 +64,11 @@ def _command(fn):
     def wrapper(*args, **kwargs):
         signal.signal(signal.SIGTERM, _interrupt)
         try:
+            if fn.__name__ in _RUNS_ORT:
+                from surgery.runtime import clashing_builds
+
+                if clash := clashing_builds():
+                    err.print(f"[bold yellow]warning:[/] {escape(clash)}", highlight=False, soft_wrap=True)
             return fn(*args, **kwargs)
         except SurgeryError as e:
             _fail(str(e))
@@ -78,6 +83,9 @@ def _command(fn):
             _fail(line)
 
     return app.command()(wrapper)
+
+
+_RUNS_ORT = {"parallelize", "evaluate", "diagnose"}
 
 
 def _interrupt(signum, frame):

@@ -56,6 +56,24 @@ def cuda_usable() -> bool:
         ort.set_default_logger_severity(2)
 
 
+def clashing_builds() -> str | None:
+    """A warning when more than one ONNX Runtime build is installed: pip puts them in one package folder,
+    the last one installed wins file by file, and CUDA disappears from the providers without an error."""
+    import importlib.metadata
+
+    builds = sorted({d.metadata["Name"].lower() for d in importlib.metadata.distributions()} & _ORT_BUILDS)
+    if len(builds) < 2:
+        return None
+    keep = "onnxruntime-gpu" if "onnxruntime-gpu" in builds else builds[0]
+    return (
+        f"{' and '.join(builds)} are all installed and share one package folder, so CUDA may be missing; "
+        f"run `pip uninstall -y {' '.join(builds)} && pip install {keep}`"
+    )
+
+
+_ORT_BUILDS = {"onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn"}
+
+
 def providers(device: str = "auto") -> tuple[str, ...]:
     """Execution providers for `device`: CUDA first when asked for (or usable, for auto), then CPU."""
     if device == "cpu" or (device == "auto" and not cuda_usable()):

@@ -60,3 +60,23 @@ def test_the_cuda_benchmark_says_in_one_line_that_it_needs_a_gpu():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda.py")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
     assert len(done.stderr.splitlines()) == 1 and "needs an NVIDIA GPU" in done.stderr
+
+
+def test_two_onnxruntime_builds_get_one_warning_line(monkeypatch, fixture_path):
+    import importlib.metadata
+    import types
+
+    from typer.testing import CliRunner
+
+    from surgery.cli import app
+
+    def installed(*names):
+        return lambda: [types.SimpleNamespace(metadata={"Name": n}) for n in names]
+
+    monkeypatch.setattr(importlib.metadata, "distributions", installed("numpy", "onnxruntime-gpu"))
+    assert runtime.clashing_builds() is None
+    monkeypatch.setattr(importlib.metadata, "distributions", installed("onnxruntime-gpu", "onnxruntime", "numpy"))
+    clash = runtime.clashing_builds()
+    assert "onnxruntime and onnxruntime-gpu" in clash and "pip install onnxruntime-gpu`" in clash
+    result = CliRunner().invoke(app, ["evaluate", str(fixture_path("llama")), "--max-windows", "1", "--seq-len", "16", "--no-latency"])
+    assert result.exit_code == 0 and result.stderr.splitlines() == [f"warning: {clash}"]
