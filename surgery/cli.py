@@ -316,7 +316,7 @@ def _rewrite(model_path: Path, out_path: Path, layers: str, as_json: bool, apply
     table.add_column("layer", justify="right")
     table.add_column("change")
     for c in result.changes:
-        table.add_row(str(c.layer), c.what if c.applied else f"[dim]{escape(c.what)}[/]")
+        table.add_row(str(c.layer), escape(c.what) if c.applied else f"[dim]{escape(c.what)}[/]")
     out.print(table)
     out.print(f"{len(result.changed_layers)} of {len(result.changes)} selected blocks changed -> {written}", highlight=False)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Iterable
@@ -118,10 +119,39 @@ def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None)
                 continue  # written next to its own data, which is unchanged
             (partial / location).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, partial / location)
-        if _inline_bytes(model) > _INLINE_LIMIT:  # a protobuf cannot hold 2 GB
-            ir.save(model, partial / dest.name, external_data=f"{dest.name}.data")
+        if external_data(model) or _inline_bytes(model) > _INLINE_LIMIT:  # a protobuf cannot hold 2 GB
+            taken = set(external_data(model))
+            location = next(n for n in (f"{dest.name}.data", *(f"{dest.name}.{i}.data" for i in range(2, 10_000))) if n not in taken)
+            with _new_weights_external(model, partial, location):
+                ir.save(model, partial / dest.name)
         else:
             ir.save(model, partial / dest.name)
+
+
+@contextlib.contextmanager
+def _new_weights_external(model: ir.Model, folder: Path, location: str, minimum: int = 1 << 20):
+    """While saving, reference each in-memory weight of >= `minimum` bytes from folder/location, written
+    once (4 KiB aligned): the weights already on disk are copied as files, never read and rewritten."""
+    moved = {}
+    with open(folder / location, "wb") as f:
+        for name, value in model.graph.initializers.items():
+            tensor = value.const_value
+            if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < minimum:
+                continue
+            f.seek(-f.tell() % 4096, 1)
+            offset = f.tell()
+            f.write(tensor.tobytes())
+            moved[name] = tensor
+            value.const_value = ir.ExternalTensor(
+                location, offset=offset, length=tensor.nbytes, dtype=tensor.dtype, shape=tensor.shape, name=name, base_dir=folder
+            )
+    if not moved:
+        (folder / location).unlink()
+    try:
+        yield
+    finally:
+        for name, tensor in moved.items():
+            model.graph.initializers[name].const_value = tensor
 
 
 def write(model: ir.Model, out: str | Path, like: str | Path, extra: dict[str, str] | None = None) -> Path:

@@ -15,6 +15,7 @@ def fixture_path():
     """Path of a committed tiny exported model: fixture_path('llama') -> graphs/tiny-llama."""
     return lambda family: GRAPHS / f"tiny-{family.replace('_', '-')}"
 
+
 # SmolLM2 as transformers loaded it (GGUF dequantized, tokenizer converted: 40 of the 60 s an
 # export takes), kept from the fp32 export for the fp16 one.
 _LOADED: dict = {}
