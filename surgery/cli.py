@@ -290,12 +290,13 @@ def ablate(
     mode: Annotated[str, typer.Option(help="`tangential`, `radial`, `remove` or `scale` (with --scale).")] = "tangential",
     layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.")] = "all",
     scale: Annotated[Optional[float], typer.Option(help="Factor for --mode scale.")] = None,
+    keep_sink: Annotated[bool, typer.Option("--keep-sink", help="Tokens at position 0 (the attention sink) keep the whole branch output.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.")] = False,
 ) -> None:
     """Keep only the tangential or radial part of a branch's output, remove it, or scale it."""
     from surgery.passes import project
 
-    _rewrite(model, out_path, layers, as_json, lambda m, chosen: project(m, branch, mode, chosen, scale))
+    _rewrite(model, out_path, layers, as_json, lambda m, chosen: project(m, branch, mode, chosen, scale, keep_sink))
 
 
 def _rewrite(model_path: Path, out_path: Path, layers: str, as_json: bool, apply) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 from surgery import output
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
+PAPER_MLP = {"tangential": "+0.07..+1.72", "radial": "+7.19..+12.96"}  # loss increase, mlp of every layer (DESIGN.md)
 
 
 def write(report: dict, out_dir: str | Path) -> Path:
@@ -39,6 +40,8 @@ def summary(report: dict) -> dict:
         out["ablation_all_layers"] = report["ablation"]["all_layers"]
         if "all_layers_interval" in report["ablation"]:
             out["ablation_all_layers_interval"] = report["ablation"]["all_layers_interval"]
+        if "all_layers_keep_sink" in report["ablation"]:
+            out["ablation_all_layers_keep_sink"] = report["ablation"]["all_layers_keep_sink"]
     if "critical" in report:
         out["critical_counts"] = {k: sum(l["counts"][k] for l in report["critical"]["layers"]) for k in ("attractor", "saddle", "repeller")}
     return out
@@ -55,16 +58,23 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
     s = summary(report)
     lines += ["", "| summary | value |", "|---|---|"]
     for key, value in s.items():
-        if key in ("model", "ablation_all_layers", "ablation_all_layers_interval", "critical_counts"):
+        if key in ("model", "ablation_all_layers", "ablation_all_layers_interval", "ablation_all_layers_keep_sink", "critical_counts"):
             continue
         lines.append(f"| {key} | {_fmt(value)} |")
     if "ablation" in report:
+        a = report["ablation"]
+        kept = a.get("all_layers_keep_sink", {})
         lines += ["", "## Ablations, all layers at once (dNLL, nats, 95 % paired bootstrap interval)", "",
-                  "| branch | tangential | radial | remove |", "|---|---|---|---|"]
+                  "Sink kept: tokens at position 0 (the attention sink) keep their branch output. The paper's mlp ranges",
+                  f"(models from GPT-2 to Llama-3-8B): tangential {PAPER_MLP['tangential']}, radial {PAPER_MLP['radial']}.", "",
+                  "| branch | tangential | tangential, sink kept | radial | radial, sink kept | remove |", "|---|---|---|---|---|---|"]
         for branch in ("mlp", "attn"):
-            row = report["ablation"]["all_layers"][branch]
-            ci = report["ablation"].get("all_layers_interval", {}).get(branch, {})
-            lines.append(f"| {branch} | " + " | ".join(_fmt_dnll(row[m], ci.get(m)) for m in ("tangential", "radial", "remove")) + " |")
+            row, ci = a["all_layers"][branch], a.get("all_layers_interval", {}).get(branch, {})
+            sink, sink_ci = kept.get(branch, {}), a.get("all_layers_keep_sink_interval", {}).get(branch, {})
+            cells = [_fmt_dnll(row["tangential"], ci.get("tangential")), _fmt_dnll(sink.get("tangential"), sink_ci.get("tangential")),
+                     _fmt_dnll(row["radial"], ci.get("radial")), _fmt_dnll(sink.get("radial"), sink_ci.get("radial")),
+                     _fmt_dnll(row["remove"], ci.get("remove"))]
+            lines.append(f"| {branch} | " + " | ".join(cells) + " |")
     columns = [("deficit", lambda r, l: r["deficit"]["deficit"][l]),
                ("d_attn", lambda r, l: r["diversity"]["d_attn"][l]), ("d_mlp", lambda r, l: r["diversity"]["d_mlp"][l]),
                ("C", lambda r, l: r["defect"]["c"][l]), ("C_stream", lambda r, l: r["defect"]["c_stream"][l]),

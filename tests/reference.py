@@ -85,13 +85,13 @@ class Edits:
     """Forward hooks that make the HF model compute what a rewritten graph computes.
 
     parallel: blocks whose ln2 reads resid_pre. branch_edits: (branch, mode, layers, scale) applied
-    in order, the mlp relative to ln2's input, attention relative to resid_pre. fixes: layer ->
+    in order, the mlp relative to ln2's input, attention relative to resid_pre; keep_sink: not to token 0. fixes: layer ->
     (w_a, w_p, b) arrays: that block's mlp output P becomes P + A w_a + P w_p + b (A = attn output),
     so resid_post = resid_pre + A + P + A w_a + P w_p + b: the compensated parallel block.
     """
 
-    def __init__(self, model, parallel=(), branch_edits=(), fixes=None):
-        self.model, self.parallel, self.branch_edits = model, set(parallel), list(branch_edits)
+    def __init__(self, model, parallel=(), branch_edits=(), fixes=None, keep_sink=False):
+        self.model, self.parallel, self.branch_edits, self.keep_sink = model, set(parallel), list(branch_edits), keep_sink
         self.fixes = {layer: tuple(torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in fix) for layer, fix in (fixes or {}).items()}
         self.handles = []
 
@@ -115,7 +115,10 @@ class Edits:
                     for branch, mode, layers, scale in self.branch_edits:
                         if branch == kind and layer in layers:
                             ref = state["ln2_in"] if kind == "mlp" else state["pre"]
-                            first = edit(first, ref, mode, scale)
+                            edited = edit(first, ref, mode, scale)
+                            if self.keep_sink:  # the run starts at position 0: token 0 keeps its output
+                                edited = torch.cat([first[:, :1], edited[:, 1:]], dim=1)
+                            first = edited
                     if kind == "attn":
                         state["attn"] = first
                     elif layer in self.fixes:
@@ -138,6 +141,6 @@ class Edits:
             h.remove()
 
 
-def edited_logits(model, input_ids: np.ndarray, parallel=(), branch_edits=(), fixes=None) -> np.ndarray:
-    with Edits(model, parallel, branch_edits, fixes), torch.no_grad():
+def edited_logits(model, input_ids: np.ndarray, parallel=(), branch_edits=(), fixes=None, keep_sink=False) -> np.ndarray:
+    with Edits(model, parallel, branch_edits, fixes, keep_sink), torch.no_grad():
         return model(input_ids=torch.from_numpy(input_ids), use_cache=False).logits.float().numpy()

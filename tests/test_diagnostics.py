@@ -89,6 +89,9 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
             assert got == pytest.approx(expected, abs=1e-5)
     expected = evaluate.perplexity(project(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
     assert report["ablation"]["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
+    for branch, mode in (("mlp", "tangential"), ("attn", "radial")):  # the sink-kept column: position 0 keeps its output
+        kept = evaluate.perplexity(project(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
+        assert report["ablation"]["all_layers_keep_sink"][branch][mode] == pytest.approx(kept, abs=1e-5)
 
     # each dNLL has its 95 % paired bootstrap interval beside it, the one delta() gives for separately scored graphs
     modes = ("tangential", "radial", "remove")

@@ -8,6 +8,7 @@ from surgery.errors import SurgeryError
 from surgery.passes import MODES, parallelize, project
 
 torch = pytest.importorskip("torch")
+from tests.reference import edited_logits  # noqa: E402
 
 FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "gemma2", "olmo2"]
 LAYER_SETS = [{1}, {0, 2}, {0, 1, 2}]
@@ -66,6 +67,28 @@ def test_project_matches_the_hooked_hf_model(tiny, branch, mode, layers):
     assert result.changed_layers == tuple(sorted(layers))
 
 
+@pytest.mark.parametrize("mode", ["tangential", "radial", "remove"])
+@pytest.mark.parametrize("branch", ["mlp", "attn"])
+def test_keep_sink_matches_the_hooked_hf_model_that_skips_position_0(tiny, branch, mode):
+    kept = project(tiny.onnx, branch, mode, {0, 1, 2}, keep_sink=True).model
+    expected = edited_logits(tiny.torch, IDS, branch_edits=[(branch, mode, {0, 1, 2}, None)], keep_sink=True)
+    np.testing.assert_allclose(logits(kept), expected, rtol=1e-4, atol=1e-4)
+    everywhere = logits(project(tiny.onnx, branch, mode, {0, 1, 2}).model)
+    assert np.abs(everywhere - expected).max() > 1e-3  # position 0 really kept its output
+    assert project(kept, branch, mode, {0, 1, 2}, keep_sink=True).changed_layers == ()
+
+
+def test_keep_sink_in_a_kv_cache_decode_ablates_every_new_token(tiny):
+    """After a cache, no token is at position 0: the decode step equals the full keep-sink pass's last token."""
+    model = project(tiny.onnx, "mlp", "tangential", {0, 1, 2}, keep_sink=True).model
+    session = runtime.session(model)
+    full = session.run(["logits"], runtime.feeds(session, IDS))[0]
+    prefill = session.run(None, runtime.feeds(session, IDS[:, :-1]))
+    past = runtime.present_as_past(session, prefill)
+    step = session.run(["logits"], runtime.feeds(session, IDS[:, -1:], past))[0]
+    np.testing.assert_allclose(step[:, 0], full[:, -1], rtol=1e-4, atol=1e-4)
+
+
 def test_passes_compose_like_hooks(tiny):
     edits = [("mlp", "tangential", {0, 1, 2}, None), ("attn", "scale", {1}, 0.25)]
     model = parallelize(tiny.onnx, {0, 2}).model
@@ -122,6 +145,10 @@ def test_dynamo_graphs_take_the_same_passes(tmp_path):
     model = project(parallelize(tiny.onnx, {1}).model, "mlp", "tangential", {0, 2}).model
     expected = tiny.reference({1}, [("mlp", "tangential", {0, 2}, None)])
     np.testing.assert_allclose(logits(model), expected, rtol=1e-4, atol=1e-4)
+    assert "position_ids" not in {v.name for v in tiny.onnx.graph.inputs}  # position 0 is then token 0
+    kept = project(tiny.onnx, "attn", "radial", {0, 1, 2}, keep_sink=True).model
+    expected = edited_logits(tiny.torch, IDS, branch_edits=[("attn", "radial", {0, 1, 2}, None)], keep_sink=True)
+    np.testing.assert_allclose(logits(kept), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_rewritten_kv_cache_folder_generates_like_the_hooked_model(tmp_path):

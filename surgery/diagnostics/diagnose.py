@@ -23,6 +23,7 @@ from surgery.errors import SurgeryError
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 ABLATION_MODES = ("tangential", "radial", "remove")
+SINK_MODES = ("tangential", "radial")  # also measured with position 0 keeping its branch output
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -97,10 +98,11 @@ def diagnose(
         start = time.perf_counter()
         ev = data.windows(model_path, corpus, seq_len=seq_len, max_windows=eval_windows, part="evaluation", tokenizer=tokenizer)
         report["windows"]["evaluation"] = _describe(ev)
+        sink_kinds = [(b, m, graphs.KEEP_SINK) for b in ("mlp", "attn") for m in SINK_MODES] if "ablation" in only else []
         kinds = ([("parallel",)] if "defect" in only else []) + (
             [(b, m) for b in ("mlp", "attn") for m in ABLATION_MODES] if "ablation" in only else []
-        )
-        losses = _switch_losses(model, blocks, kinds, ev, options, tell)
+        ) + sink_kinds
+        losses = _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds))
         intervals = losses["interval"]
         if "defect" in only:
             dnll = [losses[("parallel",)][l] for l in range(n)]
@@ -120,6 +122,9 @@ def diagnose(
                 "per_layer": {b: {m: [losses[(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
                 "all_layers_interval": {b: {m: intervals[(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
                 "per_layer_interval": {b: {m: [intervals[(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
+                # position 0 (the attention sink) keeps its branch output; all layers at once only
+                "all_layers_keep_sink": {b: {m: losses[(b, m, graphs.KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
+                "all_layers_keep_sink_interval": {b: {m: intervals[(b, m, graphs.KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
             }
         report["seconds"]["losses"] = time.perf_counter() - start
     return report
@@ -200,9 +205,10 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
     return {"seeds": n_seeds, "layers": layers}
 
 
-def _switch_losses(model, blocks, kinds, windows, options, tell) -> dict:
-    """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits):
-    dNLL per kind and layer, and under "interval" its 95 % paired bootstrap [low, high] over the windows."""
+def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset()) -> dict:
+    """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits;
+    kinds in all_only at all layers only): dNLL per kind and layer, and under "interval" its 95 % paired
+    bootstrap [low, high] over the windows."""
     n = len(blocks)
     scorer = evaluate.Scorer(graphs.switchboard(model, kinds), options)
 
@@ -210,7 +216,8 @@ def _switch_losses(model, blocks, kinds, windows, options, tell) -> dict:
         return scorer(windows, extra={graphs.SWITCHES: graphs.switches(kinds, n, on)})
 
     base = score({})
-    jobs = [(kind, layer) for kind in kinds for layer in range(n)] + [(kind, "all") for kind in kinds if kind != ("parallel",)]
+    jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
+    jobs += [(kind, "all") for kind in kinds if kind != ("parallel",)]
     result: dict = {"base": base.loss, "interval": {kind: {} for kind in kinds}, **{kind: {} for kind in kinds}}
     for done, (kind, layer) in enumerate(jobs, 1):
         if kind == ("parallel",) and blocks[layer].is_parallel:

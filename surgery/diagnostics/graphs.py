@@ -26,7 +26,7 @@ from surgery.graph import values_by_name
 from surgery.passes import projection
 from surgery.passes.parallel import redirect
 from surgery.passes.common import float_dtype
-from surgery.passes.project import edit_nodes
+from surgery.passes.project import edit_nodes, sink_mask
 
 SWITCHES, FIELD_IN, FIELD_OUT = "surgery_switches", "surgery_z", "surgery_field"
 TENSORS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -60,6 +60,9 @@ def probe(model: ir.Model, tensors=TENSORS, twin: bool = True) -> Probe:
 FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what a fit graph outputs per sequential block
 
 
+KEEP_SINK = "keep-sink"  # a kind's third part: tokens at position 0 keep the branch output
+
+
 def fit_tap(layer: int, what: str) -> str:
     """Output name of a fit tap: `what` is one of FIT_TAPS (mlp_x is P)."""
     return f"surgery/fit/blocks.{layer}/{what}"
@@ -70,7 +73,8 @@ def switchboard(
 ) -> ir.Model:
     """A graph with per-layer run-time switches.
 
-    kinds: ("parallel",), ("compensated",) or (branch, mode) as in `project`. "compensated" on
+    kinds: ("parallel",), ("compensated",), (branch, mode) as in `project`, or (branch, mode, KEEP_SINK)
+    as project(..., keep_sink=True). "compensated" on
     gives the block fixes[layer] (a passes.Fix): W_o and W_down switch to the folded weights, as the
     compensate pass writes them (switch "parallel" on too for the compensated parallel block). With
     fit_taps (which needs ("parallel",) in kinds) the fix is instead added after the branch,
@@ -87,6 +91,7 @@ def switchboard(
     flat = _op(g, "Reshape", [switches, _const(g, "surgery/switchboard/flat_shape", np.array([-1], np.int64))], "surgery/switchboard/flat")
     half = _const(g, "surgery/switchboard/half", np.array(0.5, np.float32))
     feeding: dict[tuple[int, str], ir.Value] = {}  # what each branch's residual add reads now
+    sink = None  # position 0's mask, made once when a keep-sink kind asks for it
     for k, kind in enumerate(kinds):
         for block in blocks:
             prefix = f"surgery/switchboard/{'_'.join(kind)}/blocks.{block.layer}"
@@ -117,10 +122,15 @@ def switchboard(
                         user.replace_input_with(i, chosen)
                 feeding[(block.layer, "mlp")] = chosen
             else:
-                branch, mode = kind
+                branch, mode, *keep = kind
                 out = values[block.mlp_out if branch == "mlp" else block.attn_out]
                 ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
                 nodes, edited = edit_nodes(out, ref, mode, None, prefix, float_dtype(model, out))
+                if keep == [KEEP_SINK]:
+                    sink = sink if sink is not None else sink_mask(model, "surgery/switchboard/sink")
+                    nodes.append(ir.node("Where", [sink, out, edited], name=f"{prefix}/keep_sink"))
+                    edited = nodes[-1].outputs[0]
+                    edited.name = f"{prefix}/keep_sink"
                 g.extend(nodes)
                 current = feeding.get((block.layer, branch), out)
                 chosen = _op(g, "Where", [on, edited, current], f"{prefix}/chosen")

@@ -25,18 +25,20 @@ EDIT_KEY = "surgery.edit"  # on the node that now produces the branch output: wh
 
 
 def project(
-    model: ir.Model, branch: str, mode: str, layers: Collection[int], scale: float | None = None
+    model: ir.Model, branch: str, mode: str, layers: Collection[int], scale: float | None = None, keep_sink: bool = False
 ) -> SurgeryResult:
     """Replace the selected blocks' `branch` output in the residual add by its `mode` part.
 
+    keep_sink: tokens at position 0 (the attention sink) keep the whole branch output.
     Idempotent: a block whose branch already went through the same edit is left alone.
     """
-    label = _check(branch, mode, scale)
+    label = _check(branch, mode, scale) + (" keep-sink" if keep_sink else "")
     model = model.clone()  # weights are shared, not copied
     blocks = find_blocks(model)
     chosen = check_layers(layers, blocks)
     values = values_by_name(model)
     taken = set(values)
+    sink = None
     changes = []
     for block in blocks:
         if block.layer not in chosen:
@@ -53,6 +55,13 @@ def project(
         ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
         prefix = unique_name(node_name(PASS, block.layer, f"{branch}_out_{mode}"), taken)
         nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, float_dtype(model, out))
+        if keep_sink:
+            if sink is None:
+                sink = sink_mask(model, unique_name(f"surgery/{PASS}/sink", taken))
+            keep = ir.node("Where", [sink, out, new_out], name=f"{prefix}/keep_sink")
+            keep.outputs[0].name = f"{prefix}/keep_sink"
+            nodes.append(keep)
+            new_out = keep.outputs[0]
         for node in nodes:
             tag(node, PASS, block.layer)
         nodes[-1].metadata_props[EDIT_KEY] = label
@@ -63,7 +72,7 @@ def project(
         changes.append(Change(block.layer, label))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
-        record(model, PASS, result.changed_layers, {"branch": branch, "mode": mode, "scale": scale})
+        record(model, PASS, result.changed_layers, {"branch": branch, "mode": mode, "scale": scale, "keep_sink": keep_sink or None})
     return result
 
 
@@ -117,6 +126,39 @@ def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtyp
             result = op("Cast", [result], "to_" + np.dtype(dtype).name, to=ir.DataType.from_numpy(np.dtype(dtype)))
     result.name = prefix
     return nodes, result
+
+
+def sink_mask(model: ir.Model, prefix: str) -> ir.Value:
+    """A boolean [batch | 1, seq, 1] value, true at the tokens whose position is 0, from the graph inputs:
+    position_ids when the graph has them, else the token index after the KV cache's length (0 without one).
+    Its nodes go first in the graph, so every block can read it."""
+    inputs = {v.name: v for v in model.graph.inputs}
+    nodes: list[ir.Node] = []
+
+    def op(op_type, args, what, **attributes):
+        node = ir.node(op_type, args, attributes=attributes, name=f"{prefix}/{what}")
+        node.outputs[0].name = f"{prefix}/{what}"
+        nodes.append(node)
+        return node.outputs[0]
+
+    def const(what, value):
+        return op("Constant", [], what, value=ir.tensor(np.array(value, np.int64), name=f"{prefix}/{what}"))
+
+    if "position_ids" in inputs:
+        positions = inputs["position_ids"]  # [batch, seq]
+    elif "input_ids" in inputs:
+        seq = op("Shape", [inputs["input_ids"]], "seq", start=1, end=2)
+        past = next((v for n, v in inputs.items() if n.startswith("past_key_values")), None)
+        start = op("Shape", [past], "past", start=2, end=3) if past is not None else const("zero", [0])
+        squeeze = const("axis0", [0])
+        first, count = op("Squeeze", [start, squeeze], "first"), op("Squeeze", [seq, squeeze], "count")
+        positions = op("Range", [first, op("Add", [first, count], "end"), const("one", 1)], "positions")  # [seq]
+    else:
+        raise SurgeryError("--keep-sink needs the graph's position_ids or input_ids input to find position 0")
+    is_first = op("Equal", [positions, const("zero_position", 0)], "is_position_0")
+    mask = op("Unsqueeze", [is_first, const("last", [-1])], "mask")
+    model.graph.insert_before(next(iter(model.graph)), nodes)
+    return mask
 
 
 def unique_name(name: str, taken: set[str]) -> str:
