@@ -107,36 +107,50 @@ def size_on_disk(model: ir.Model, path: str | Path) -> int:
 
 
 def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None) -> None:
-    """Write `model` to `dest` atomically, with `extra` text files (name -> text) beside it. External data
-    it references is copied beside `dest` byte for byte (the kernel copies; weights are never read into this process)."""
+    """Write `model` to `dest` atomically, with `extra` text files (name -> text) beside it.
+
+    External data it references is copied beside `dest` byte for byte (the kernel copies; weights are
+    never read into this process), unless the model now uses less than half of a file's bytes (a pass
+    replaced most of its weights): then the tensors it still uses are written anew instead, so the
+    output holds no dead weights. New weights go, once, to their own data file.
+    """
     dest = Path(dest)
     with output.file(dest, needed=lambda: _bytes(model)) as partial:
         for name, text in (extra or {}).items():
             (partial / name).write_text(text)
+        used = _referenced_bytes(model)
+        sparse = set()
         for location, base in external_data(model).items():
             src, target = base / location, dest.parent / location
             if target.exists() and target.resolve() == src.resolve():
                 continue  # written next to its own data, which is unchanged
+            if used[location] < src.stat().st_size / 2:
+                sparse.add(location)
+                continue
             (partial / location).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, partial / location)
         if external_data(model) or _inline_bytes(model) > _INLINE_LIMIT:  # a protobuf cannot hold 2 GB
-            taken = set(external_data(model))
+            taken = (set(external_data(model)) - sparse) | {p.name for p in dest.parent.iterdir()}
             location = next(n for n in (f"{dest.name}.data", *(f"{dest.name}.{i}.data" for i in range(2, 10_000))) if n not in taken)
-            with _new_weights_external(model, partial, location):
+            with _weights_external(model, partial, location, rewrite=sparse):
                 ir.save(model, partial / dest.name)
         else:
             ir.save(model, partial / dest.name)
 
 
 @contextlib.contextmanager
-def _new_weights_external(model: ir.Model, folder: Path, location: str, minimum: int = 1 << 20):
-    """While saving, reference each in-memory weight of >= `minimum` bytes from folder/location, written
-    once (4 KiB aligned): the weights already on disk are copied as files, never read and rewritten."""
+def _weights_external(model: ir.Model, folder: Path, location: str, rewrite: set[str], minimum: int = 1 << 20):
+    """While saving, reference from folder/location (written once, 4 KiB aligned) each in-memory weight
+    of >= `minimum` bytes and each weight held in an external file named in `rewrite`."""
     moved = {}
     with open(folder / location, "wb") as f:
         for name, value in model.graph.initializers.items():
             tensor = value.const_value
-            if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < minimum:
+            if tensor is None:
+                continue
+            if isinstance(tensor, ir.ExternalTensor) and tensor.location not in rewrite:
+                continue
+            if not isinstance(tensor, ir.ExternalTensor) and tensor.nbytes < minimum:
                 continue
             f.seek(-f.tell() % 4096, 1)
             offset = f.tell()
@@ -145,6 +159,8 @@ def _new_weights_external(model: ir.Model, folder: Path, location: str, minimum:
             value.const_value = ir.ExternalTensor(
                 location, offset=offset, length=tensor.nbytes, dtype=tensor.dtype, shape=tensor.shape, name=name, base_dir=folder
             )
+            if isinstance(tensor, ir.ExternalTensor):
+                tensor.release()  # its pages were read once to be written; keep them out of memory
     if not moved:
         (folder / location).unlink()
     try:
@@ -152,6 +168,16 @@ def _new_weights_external(model: ir.Model, folder: Path, location: str, minimum:
     finally:
         for name, tensor in moved.items():
             model.graph.initializers[name].const_value = tensor
+
+
+def _referenced_bytes(model: ir.Model) -> dict[str, int]:
+    """Bytes of each external data file (by location) that the model's weights still reference."""
+    used: dict[str, int] = {}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            used[tensor.location] = used.get(tensor.location, 0) + tensor.nbytes
+    return used
 
 
 def write(model: ir.Model, out: str | Path, like: str | Path, extra: dict[str, str] | None = None) -> Path:

@@ -13,7 +13,7 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import graph, output
+from surgery import graph, output, runtime
 from surgery.cli import _QUIET_ENV, app
 
 runner = CliRunner()
@@ -191,3 +191,27 @@ def test_symbolic_kv_sizes_come_from_the_config_or_a_line_says_what_to_do(tmp_pa
     assert all(list(v.shape)[1::2] == [config["num_key_value_heads"], head] for v in kv)
     result = runner.invoke(app, ["evaluate", str(tmp_path / "without"), *args])
     _one_error_line(result, "leaves the number of KV heads or the head size symbolic")
+
+
+def test_external_data_is_copied_when_still_used_and_rewritten_when_mostly_replaced(tmp_path, fixture_path):
+    from surgery.passes import fuse, parallelize
+
+    src = tmp_path / "in"
+    shutil.copytree(fixture_path("llama"), src)
+    ir.save(graph.load(src), src / "model.onnx", external_data="weights.data", size_threshold_bytes=0)
+    model = graph.load(src)
+    data_bytes = (src / "weights.data").stat().st_size
+
+    def run(m):
+        s = runtime.session(m)
+        return s.run(["logits"], runtime.feeds(s, np.arange(1, 9)[None]))[0]
+
+    plain = parallelize(model, {1}).model  # every weight still used: the file is copied as it is
+    graph.write(plain, tmp_path / "plain", like=src)
+    assert _hashes(tmp_path / "plain")["weights.data"] == _hashes(src)["weights.data"]
+    fused = fuse(model, {0, 1, 2}).model  # most block weights replaced: what is still used is written anew
+    graph.write(fused, tmp_path / "fused", like=src)
+    files = {p.name: p.stat().st_size for p in (tmp_path / "fused").iterdir() if p.name.endswith(".data")}
+    assert "weights.data" not in files and sum(files.values()) < 1.2 * data_bytes
+    for rewritten, out in ((plain, "plain"), (fused, "fused")):
+        np.testing.assert_allclose(run(graph.load(tmp_path / out)), run(rewritten), rtol=0, atol=0)
