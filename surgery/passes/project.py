@@ -96,15 +96,7 @@ def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtyp
     (SmolLM2's resid_mid reaches coordinates of 2.5e4 and |x|^2 of 6e8; float16 ends at 65504).
     """
     nodes: list[ir.Node] = []
-
-    def op(op_type, inputs, what, **attributes):
-        node = ir.node(op_type, inputs, attributes=attributes, name=f"{prefix}/{what}")
-        node.outputs[0].name = f"{prefix}/{what}"
-        nodes.append(node)
-        return node.outputs[0]
-
-    def const(what, array):
-        return op("Constant", [], what, value=ir.tensor(np.asarray(array), name=f"{prefix}/{what}"))
+    op, const = _emitters(nodes, prefix)
 
     if mode in ("remove", "scale"):
         factor = const("factor", np.array(0.0 if mode == "remove" else scale, dtype=dtype))
@@ -134,15 +126,8 @@ def sink_mask(model: ir.Model, prefix: str) -> ir.Value:
     Its nodes go first in the graph, so every block can read it."""
     inputs = {v.name: v for v in model.graph.inputs}
     nodes: list[ir.Node] = []
-
-    def op(op_type, args, what, **attributes):
-        node = ir.node(op_type, args, attributes=attributes, name=f"{prefix}/{what}")
-        node.outputs[0].name = f"{prefix}/{what}"
-        nodes.append(node)
-        return node.outputs[0]
-
-    def const(what, value):
-        return op("Constant", [], what, value=ir.tensor(np.array(value, np.int64), name=f"{prefix}/{what}"))
+    op, emit_const = _emitters(nodes, prefix)
+    const = lambda what, value: emit_const(what, np.array(value, np.int64))  # noqa: E731
 
     if "position_ids" in inputs:
         positions = inputs["position_ids"]  # [batch, seq]
@@ -159,6 +144,22 @@ def sink_mask(model: ir.Model, prefix: str) -> ir.Value:
     mask = op("Unsqueeze", [is_first, const("last", [-1])], "mask")
     model.graph.insert_before(next(iter(model.graph)), nodes)
     return mask
+
+
+def _emitters(nodes: list[ir.Node], prefix: str):
+    """op(op_type, inputs, what, **attributes) and const(what, array): each appends a node named
+    prefix/what to `nodes` and returns its output."""
+
+    def op(op_type, inputs, what, **attributes):
+        node = ir.node(op_type, inputs, attributes=attributes, name=f"{prefix}/{what}")
+        node.outputs[0].name = f"{prefix}/{what}"
+        nodes.append(node)
+        return node.outputs[0]
+
+    def const(what, array):
+        return op("Constant", [], what, value=ir.tensor(np.asarray(array), name=f"{prefix}/{what}"))
+
+    return op, const
 
 
 def unique_name(name: str, taken: set[str]) -> str:
