@@ -22,6 +22,17 @@ torch = pytest.importorskip("torch")
 # `smollm2` (the fp32 export, made once per session) is in conftest.py: tests/test_fp16.py compares against it.
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """The HF torch model, loaded once from the same GGUF file (eager attention: hooks see every tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    from surgery.export import resolve_source
+
+    src = resolve_source("smollm2-135m")
+    return AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, attn_implementation="eager").eval()
+
+
 def test_inspect_shows_30_sequential_blocks(smollm2):
     result = CliRunner().invoke(app, ["inspect", str(smollm2), "--json"])
     assert result.exit_code == 0, result.output
@@ -31,12 +42,10 @@ def test_inspect_shows_30_sequential_blocks(smollm2):
     assert {(b["ln_kind"], b["mlp_kind"]) for b in facts["blocks"]} == {("RMSNorm (decomposed)", "gated")}
 
 
-def test_found_tensors_equal_the_hooked_torch_model(smollm2):
+def test_found_tensors_equal_the_hooked_torch_model(smollm2, reference):
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
     from surgery.data import default_corpus
-    from surgery.export import resolve_source
     from tests.reference import assert_close_to_scale, block_tensors
 
     tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
@@ -47,29 +56,23 @@ def test_found_tensors_equal_the_hooked_torch_model(smollm2):
     session = runtime.session(graph.tap(model, [v for _, _, v in names]))
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, ids))))
 
-    src = resolve_source("smollm2-135m")
-    reference = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, attn_implementation="eager").eval()
     logits, expected = block_tensors(reference, ids)
     assert_close_to_scale(got["logits"], logits, 1e-4, "logits")
     for layer, key, value in names:
         assert_close_to_scale(got[value], expected[layer][key], 1e-4, f"blocks.{layer}.{key}")
 
 
-def test_passes_match_the_hooked_torch_model(smollm2):
+def test_passes_match_the_hooked_torch_model(smollm2, reference):
     """parallel 5,22,25 and mlp tangential on all layers: ORT logits on 256 tokens equal hooked torch to 1e-3."""
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
     from surgery.data import default_corpus
-    from surgery.export import resolve_source
     from surgery.passes import parallelize, project
     from tests.reference import edited_logits
 
     tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
     ids = np.array([tokenizer.encode(default_corpus()[:8000]).ids[:256]])
     model = graph.load(smollm2)
-    src = resolve_source("smollm2-135m")
-    reference = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, attn_implementation="eager").eval()
     for rewritten, parallel, edits in [
         (parallelize(model, {5, 22, 25}).model, {5, 22, 25}, []),
         (project(model, "mlp", "tangential", range(30)).model, set(), [("mlp", "tangential", set(range(30)), None)]),
@@ -79,17 +82,13 @@ def test_passes_match_the_hooked_torch_model(smollm2):
         np.testing.assert_allclose(got, edited_logits(reference, ids, parallel, edits), rtol=1e-3, atol=1e-3)
 
 
-def test_loss_equals_the_torch_model(smollm2):
+def test_loss_equals_the_torch_model(smollm2, reference):
     """ORT loss on default-corpus windows equals the HF torch model's loss on the same windows to 1e-3 nats."""
-    from transformers import AutoModelForCausalLM
 
     from surgery import data, evaluate
-    from surgery.export import resolve_source
 
     windows = data.windows(smollm2, seq_len=256, max_windows=4)
     got = evaluate.perplexity(smollm2, windows, batch_size=2)
-    src = resolve_source("smollm2-135m")
-    reference = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file).eval()
     with torch.no_grad():
         logits = reference(input_ids=torch.from_numpy(windows.ids)).logits.double()
     targets = torch.from_numpy(windows.ids[:, 1:]).reshape(-1)
@@ -98,6 +97,7 @@ def test_loss_equals_the_torch_model(smollm2):
     assert abs(got.loss - float(expected)) < 1e-3
 
 
+@pytest.mark.xdist_group("smollm2-main")  # the longest test: its own worker (which exports SmolLM2 once more)
 def test_auto_parallel_with_defaults_keeps_ten_blocks_within_002_nats_and_fuses_exactly(smollm2, tmp_path):
     """The main job with defaults: compensated blocks, >= 10 of 30 within 0.02 nats on held-out windows."""
     from surgery import data
