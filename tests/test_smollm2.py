@@ -97,7 +97,6 @@ def test_loss_equals_the_torch_model(smollm2, reference):
     assert abs(got.loss - float(expected)) < 1e-3
 
 
-@pytest.mark.xdist_group("smollm2-main")  # the longest test: its own worker (which exports SmolLM2 once more)
 def test_auto_parallel_with_defaults_keeps_ten_blocks_within_002_nats_and_fuses_exactly(smollm2, tmp_path):
     """The main job with defaults: compensated blocks, >= 10 of 30 within 0.02 nats on held-out windows."""
     from surgery import data
