@@ -60,20 +60,18 @@ def folder(out: str | Path, needed: Callable[[], int] | int | None = None) -> It
     """Yield an empty hidden folder to fill; on success it replaces `out`, on any failure it is removed.
     `needed` (bytes, or a function giving them) is quoted when the disk is full."""
     out = Path(out)
-    with disk_errors(out, needed):
-        partial = _partial(out)
-        try:
-            partial.mkdir()
-            yield partial
-            if out.exists():
-                old = out.with_name(f".{out.name}.old-{os.getpid()}")
-                out.rename(old)
-                partial.rename(out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                partial.rename(out)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+
+    def commit(partial: Path) -> None:
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            partial.rename(out)
+
+    with _staged(out, needed, commit) as partial:
+        yield partial
 
 
 @contextlib.contextmanager
@@ -81,14 +79,24 @@ def file(dest: str | Path, needed: Callable[[], int] | int | None = None) -> Ite
     """Yield a hidden folder to write `dest` (and files beside it, such as its external data) into, under
     their final names; on success each is moved beside `dest`, `dest` itself last."""
     dest = Path(dest)
-    with disk_errors(dest, needed):
-        partial = _partial(dest)
+
+    def commit(partial: Path) -> None:
+        for item in sorted(partial.iterdir(), key=lambda p: p.name == dest.name):
+            os.replace(item, dest.parent / item.name)
+
+    with _staged(dest, needed, commit) as partial:
+        yield partial
+
+
+@contextlib.contextmanager
+def _staged(target: Path, needed, commit: Callable[[Path], None]) -> Iterator[Path]:
+    """The hidden partial folder of `target`: yielded to fill, then `commit`ted; removed whatever happens."""
+    with disk_errors(target, needed):
+        partial = _partial(target)
         try:
             partial.mkdir()
             yield partial
-            written = sorted(partial.iterdir(), key=lambda p: p.name == dest.name)
-            for item in written:
-                os.replace(item, dest.parent / item.name)
+            commit(partial)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
 
