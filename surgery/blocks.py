@@ -19,20 +19,14 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
+from surgery import ops
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
 
-ATTENTION_OPS = frozenset(
-    {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedMultiHeadAttention"}
-)
+ATTENTION_OPS = ops.ATTENTION
 # Ops through which a value computed only from constants is still a constant (a weight).
 _CONST_PASSTHROUGH = frozenset({"Transpose", "Cast", "Reshape", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
 FIX_KEY = "surgery.fix"  # node metadata: the output projection carries a folded fix (compensated / calibrated)
-_FUSED_NORMS = {
-    "LayerNormalization": "LayerNorm (fused op)",
-    "RMSNormalization": "RMSNorm (fused op)",
-    "SimplifiedLayerNormalization": "RMSNorm (fused op)",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +141,14 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
             f"cannot read block {len(blocks)} of {where}: the residual add at {post.name!r} "
             f"adds {found} to {pre.name!r}; expected attention then mlp (sequential) or both at once (parallel)"
         )
+    for block in blocks:
+        for branch in ("attn", "mlp"):
+            unknown = sorted({ops.describe(n) for n in branch_nodes(model, block, branch) if not ops.is_known(n)})
+            if unknown:
+                raise SurgeryError(
+                    f"block {block.layer} of {where} holds {', '.join(unknown)} in its {branch} branch, an op surgery's op "
+                    "table (surgery/ops.py) does not describe; it could hide a residual add, so nothing is rewritten"
+                )
     return blocks
 
 
@@ -190,7 +192,7 @@ def _norm_nodes(x: ir.Value) -> list[ir.Node]:
     """The LayerNormalization / RMSNormalization / ReduceMean(x**2) nodes that normalise x."""
     out = []
     for node in _consumers_through_casts(x):
-        if node.op_type in _FUSED_NORMS:
+        if node.op_type in ops.NORMS:
             out.append(node)
         elif node.op_type in ("Pow", "Mul") and _squared(node) is x:
             out.extend(u for u, _ in node.outputs[0].uses() if u.op_type == "ReduceMean")
@@ -209,8 +211,8 @@ def _consumers_through_casts(x: ir.Value) -> list[ir.Node]:
 
 
 def _read_norm(node: ir.Node, x: ir.Value, layer: int, which: str) -> Norm:
-    if node.op_type in _FUSED_NORMS:
-        kind = "LayerNorm" if node.op_type == "LayerNormalization" else "RMSNorm"
+    if node.op_type in ops.NORMS:
+        kind = ops.NORMS[node.op_type]
         attr = node.attributes.get("epsilon")
         bias = node.inputs[2].name if kind == "LayerNorm" and len(node.inputs) > 2 and node.inputs[2] is not None else None
         return Norm(kind, x.name, node.outputs[0].name, node.inputs[1].name, bias, float(attr.value) if attr else 1e-5)
@@ -235,7 +237,7 @@ def _read_norm(node: ir.Node, x: ir.Value, layer: int, which: str) -> Norm:
 def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) -> BlockMap:
     ln_kinds = sorted(set(norms.get(pre, []))) or ["none"]
     mlp_nodes = _branch_nodes(mlp, stream)
-    weights = sum(1 for n in mlp_nodes if n.op_type in ("MatMul", "Gemm") and any(is_const(x) for x in n.inputs))
+    weights = sum(1 for n in mlp_nodes if n.op_type in ops.PROJECTIONS and any(is_const(x) for x in n.inputs))
     fix = next((n.metadata_props[FIX_KEY] for n in mlp_nodes if FIX_KEY in n.metadata_props), None)
     post_norm = any(_normalised(out, norms, stream) for out in (attn, mlp))
     return BlockMap(
@@ -263,7 +265,7 @@ def _normalised(out: ir.Value, norms: dict[ir.Value, list[str]], stream: set[ir.
         if value in norms and value not in stream:
             return True
         node = value.producer()
-        if node is None or node in seen or node.op_type in ("MatMul", "Gemm") or node.op_type in ATTENTION_OPS:
+        if node is None or node in seen or node.op_type in ops.PROJECTIONS or node.op_type in ATTENTION_OPS:
             continue
         seen.add(node)
         todo.extend(x for x in node.inputs if x is not None and x not in stream)
@@ -275,8 +277,8 @@ def _find_norms(graph: ir.Graph) -> dict[ir.Value, list[str]]:
     norms: dict[ir.Value, list[str]] = {}
     for node in graph:
         kind, reads = None, None
-        if node.op_type in _FUSED_NORMS and node.domain in ("", "ai.onnx", "com.microsoft"):
-            kind, reads = _FUSED_NORMS[node.op_type], _strip_casts(node.inputs[0])
+        if node.op_type in ops.NORMS and node.domain in (*ops.STANDARD_DOMAINS, ops.MS):
+            kind, reads = f"{ops.NORMS[node.op_type]} ({ops.unfused_from(node) or 'fused op'})", _strip_casts(node.inputs[0])
         elif node.op_type == "ReduceMean" and _reduces_last_axis(node):
             square = _strip_casts(node.inputs[0]).producer()
             base = _squared(square)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import graph
+from surgery import graph, ops
 from surgery.blocks import BlockMap, find_blocks
 
 
@@ -72,13 +72,17 @@ def describe(path: str | Path) -> ModelFacts:
 
 
 def embedding_table(model: ir.Model) -> tuple[int, int] | None:
-    """(vocab, d_model) from the token embedding: a Gather from a 2-D weight by a graph input."""
+    """(vocab, d_model) from the token embedding: a Gather (or GatherBlockQuantized) from a 2-D weight by a graph input."""
     for node in model.graph:
         table, ids = node.inputs[0] if node.inputs else None, node.inputs[1] if len(node.inputs) > 1 else None
-        if node.op_type != "Gather" or table is None or ids is None or table.const_value is None:
+        if node.op_type not in ops.EMBEDDINGS or table is None or ids is None or table.const_value is None:
             continue
         if table.shape is not None and table.shape.rank() == 2 and _from_input(ids):
-            return int(table.shape[0]), int(table.shape[1])
+            vocab, width = int(table.shape[0]), int(table.shape[1])
+            if node.op_type == "GatherBlockQuantized" and table.dtype in (ir.DataType.UINT8, ir.DataType.INT8):
+                bits = node.attributes["bits"].value if "bits" in node.attributes else 4
+                width = width * 8 // bits  # packed: 8 / bits values a byte
+            return vocab, width
     return None
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import output
+from surgery import ops, output
 from surgery.errors import SurgeryError
 
 MODEL_FILE = "model.onnx"
@@ -36,7 +36,9 @@ def resolve(path: str | Path) -> Path:
 
 
 def load(path: str | Path) -> ir.Model:
-    """Load an ONNX model; external data is referenced, not read into memory."""
+    """Load an ONNX model; external data is referenced, not read into memory. Residual adds fused into
+    normalisations (Skip(Simplified)LayerNormalization) are split into an Add and the normalisation
+    (ops.unfuse); `save` joins them again."""
     file = resolve(path)
     try:
         model = ir.load(file)
@@ -46,6 +48,7 @@ def load(path: str | Path) -> ir.Model:
             f"cannot read {file} as an ONNX model ({reason}); pass an .onnx file written by an ONNX exporter"
         ) from None
     _fix_kv_sizes(model, file.parent)
+    ops.unfuse(model)  # residual adds fused into normalisations become Adds; `save` fuses them again
     return model
 
 
@@ -115,6 +118,8 @@ def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None)
     output holds no dead weights. New weights go, once, to their own data file.
     """
     dest = Path(dest)
+    model = model.clone()  # weights shared, not copied
+    ops.refuse(model)
     with output.file(dest, needed=lambda: _bytes(model)) as partial:
         for name, text in (extra or {}).items():
             (partial / name).write_text(text)
@@ -232,12 +237,14 @@ def _inline_bytes(model: ir.Model) -> int:
 
 
 def stream_dtype(model: ir.Model) -> ir.DataType:
-    """The float type of the residual stream: that of the token embedding table."""
+    """The float type of the residual stream: that of the token embedding table (of its scales when quantized)."""
     for node in model.graph:
-        if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].const_value is not None:
-            dtype = node.inputs[0].dtype
-            if dtype is not None and dtype.is_floating_point():
-                return dtype
+        table, typed = ops.EMBEDDINGS.get(node.op_type, (None, None))
+        if table is None or len(node.inputs) <= typed or node.inputs[table] is None or node.inputs[table].const_value is None:
+            continue
+        dtype = node.inputs[typed].dtype
+        if dtype is not None and dtype.is_floating_point():
+            return dtype
     return ir.DataType.FLOAT
 
 

@@ -109,10 +109,13 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.I
         source, arrays = _proto_without_big_weights(model)
         if arrays:
             so.add_external_initializers(list(arrays), [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays.values()])
+        kv = None  # graph.load states them in the graph
     else:
         source = str(graph.resolve(model))
+        kv = graph.kv_sizes(graph.resolve(model).parent)
     sess = ort.InferenceSession(source, so, providers=list(providers(options.device)))
     sess._surgery_weights = arrays  # ORT reads these buffers in place: they live as long as the session
+    sess._surgery_kv_sizes = kv  # for a KV cache whose heads / head size the graph leaves symbolic
     return sess
 
 
@@ -174,11 +177,13 @@ def feeds(
                 out[arg.name] = past[arg.name]
             else:
                 heads, head_dim = arg.shape[1], arg.shape[3]
+                if not (isinstance(heads, int) and isinstance(head_dim, int)) and getattr(sess, "_surgery_kv_sizes", None):
+                    heads, head_dim = sess._surgery_kv_sizes
                 if not (isinstance(heads, int) and isinstance(head_dim, int)):
                     raise SurgeryError(
                         f"graph input {arg.name} {arg.shape} leaves the number of KV heads or the head size symbolic, so "
                         "surgery cannot make an empty KV cache for it; put the model's config.json (num_key_value_heads, "
-                        "head_dim) beside the .onnx file"
+                        "head_dim) or genai_config.json beside the .onnx file"
                     )
                 dtype = np.float16 if "float16" in arg.type else np.float32
                 out[arg.name] = np.zeros((batch, heads, 0, head_dim), dtype=dtype)
