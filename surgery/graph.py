@@ -49,6 +49,7 @@ def load(path: str | Path) -> ir.Model:
         ) from None
     _fix_kv_sizes(model, file.parent)
     ops.unfuse(model)  # residual adds fused into normalisations become Adds; `save` fuses them again
+    ops.merge_repeated_sums(model)  # a sum recomputed for a second normalisation is the sum itself
     return model
 
 
@@ -120,6 +121,7 @@ def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None)
     dest = Path(dest)
     model = model.clone()  # weights shared, not copied
     ops.refuse(model)
+    ops.split_shared_sums(model)  # so that ONNX Runtime can fuse both of a parallel block's norms
     with output.file(dest, needed=lambda: _bytes(model)) as partial:
         for name, text in (extra or {}).items():
             (partial / name).write_text(text)

@@ -179,6 +179,58 @@ def refuse(model: ir.Model) -> int:
     return count
 
 
+def split_shared_sums(model: ir.Model, moved_by: str = "parallelize") -> int:
+    """Where a pass made a normalisation read a residual sum that another normalisation reads too (a
+    parallel block's ln2 reading resid_pre = the sum ln1 reads), give it its own copy of the Add, in place.
+
+    ONNX Runtime fuses an Add into the one normalisation after it (SkipLayerNormalization) only when no
+    other normalisation reads the sum; with a copy, both fuse. The copy adds its operands in the other
+    order, so common-subexpression elimination does not merge it back; `merge_repeated_sums` does, on load.
+    The nodes rewired by the pass carry the metadata surgery.pass == `moved_by`. Returns the copies made."""
+    graph = model.graph
+    copies: dict[tuple[ir.Value, str], ir.Value] = {}
+    for node in list(graph):
+        if node.metadata_props.get("surgery.pass") != moved_by:
+            continue
+        layer = node.metadata_props.get("surgery.layer", "")
+        for index, value in enumerate(node.inputs):
+            add = value.producer() if value is not None else None
+            if add is None or add.op_type != "Add" or len(add.inputs) != 2 or any(x is None or x.const_value is not None for x in add.inputs):
+                continue
+            if all(user.metadata_props.get("surgery.pass") == moved_by for user, _ in value.uses()):
+                continue  # nothing else reads the sum: no fusion is lost
+            if (value, layer) not in copies:
+                copy = ir.node("Add", [add.inputs[1], add.inputs[0]], name=f"{add.name}/copy_for_blocks.{layer}")
+                copy.outputs[0].name = f"{value.name}/copy_for_blocks.{layer}"
+                copy.outputs[0].type, copy.outputs[0].shape = value.type, value.shape
+                graph.insert_after(add, [copy])
+                copies[(value, layer)] = copy.outputs[0]
+            node.replace_input_with(index, copies[(value, layer)])
+    return len(copies)
+
+
+def merge_repeated_sums(model: ir.Model) -> int:
+    """Read every Add of two computed values that an earlier Add already computes (in either operand
+    order) as that earlier sum, in place: a residual sum recomputed for a second normalisation
+    (`split_shared_sums`, or two fused norms after the ORT optimizer) is one stream value. Returns how many."""
+    graph = model.graph
+    first: dict[frozenset, ir.Value] = {}
+    merged = 0
+    for node in list(graph):
+        if node.op_type != "Add" or node.domain not in STANDARD_DOMAINS or len(node.inputs) != 2 or None in node.inputs:
+            continue
+        if node.inputs[0] is node.inputs[1] or any(x.const_value is not None for x in node.inputs):
+            continue
+        key = frozenset(node.inputs)
+        if key not in first:
+            first[key] = node.outputs[0]
+        elif not node.outputs[0].is_graph_output():
+            ir.convenience.replace_all_uses_with(node.outputs[0], first[key])
+            graph.remove(node, safe=True)
+            merged += 1
+    return merged
+
+
 _FUSED_FORM = {spec.norm: op for op, spec in SKIP_NORMS.items()}
 
 

@@ -144,3 +144,39 @@ class Edits:
 def edited_logits(model, input_ids: np.ndarray, parallel=(), branch_edits=(), fixes=None, keep_sink=False) -> np.ndarray:
     with Edits(model, parallel, branch_edits, fixes, keep_sink), torch.no_grad():
         return model(input_ids=torch.from_numpy(input_ids), use_cache=False).logits.float().numpy()
+
+
+def dequantize_matmul_nbits(packed: np.ndarray, scales: np.ndarray, k: int, n: int, bits: int, block_size: int,
+                            zero_points: np.ndarray | None = None) -> np.ndarray:
+    """The [K, N] float weight a MatMulNBits node multiplies by, from its [N, blocks, block_size * bits / 8]
+    packed integers (low bits first in each byte) and [N * blocks] scales; zero point 2^(bits-1) unless given."""
+    assert bits == 4 and zero_points is None, "only the builder's symmetric 4-bit weights"
+    blocks = packed.shape[1]
+    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks * block_size).astype(np.float64)
+    w = (q - 8.0) * np.repeat(np.asarray(scales, np.float64).reshape(n, blocks), block_size, axis=1)
+    return w[:, :k].T
+
+
+def with_genai_int4_weights(model, onnx_model) -> None:
+    """Give the HF llama `model` the dequantized weights of its GenAI builder int4 export, in place
+    (the builder names its MatMulNBits weights after the modules: model.layers.0.attn.qkv_proj.MatMul.weight_Q4)."""
+    initializers = onnx_model.graph.initializers
+    params = dict(model.named_parameters())
+    for node in onnx_model.graph:
+        if node.op_type != "MatMulNBits":
+            continue
+        a = {key: attr.value for key, attr in node.attributes.items()}
+        w = dequantize_matmul_nbits(initializers[node.inputs[1].name].const_value.numpy(),
+                                    initializers[node.inputs[2].name].const_value.numpy(), a["K"], a["N"], a["bits"], a["block_size"])
+        module = node.inputs[1].name.removesuffix(".MatMul.weight_Q4")
+        targets = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn.o_proj": ("self_attn.o_proj",)}
+        prefix, _, last = module.rpartition("layers.")
+        names = [module] if not prefix else [f"{prefix}layers.{last.split('.')[0]}.{t}" for t in targets.get(last.split(".", 1)[1], (last.split(".", 1)[1],))]
+        start = 0
+        for name in names:
+            weight = params[f"{name}.weight"]
+            rows = weight.shape[0]
+            with torch.no_grad():
+                weight.copy_(torch.from_numpy(w[:, start : start + rows].T.astype(np.float32)))
+            start += rows
+        assert start == w.shape[1], module
