@@ -33,6 +33,16 @@ class Perplexity:
     window_tokens: tuple[int, ...] = ()
 
 
+def joined(parts: Sequence[Perplexity]) -> Perplexity:
+    """The Perplexity of all the windows of `parts`, in order, each part scored on its own windows."""
+    sums = [s for p in parts for s in p.window_nll]
+    counts = [c for p in parts for c in p.window_tokens]
+    loss = sum(sums) / sum(counts)
+    return Perplexity(
+        loss, math.exp(loss), sum(counts), sum(p.windows for p in parts), sum(p.seconds for p in parts), tuple(sums), tuple(counts)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Delta:
     """dNLL = loss(other) - loss(base) on the same windows, with a 95 % paired bootstrap interval over windows."""
@@ -78,9 +88,9 @@ class Latency:
     provider: str
 
 
-def scoring_model(model: ir.Model) -> ir.Model:
+def scoring_model(model: ir.Model, keep: Sequence[str] = ()) -> ir.Model:
     """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs only `surgery_nll` [batch, seq]:
-    -log softmax(logits)[target], so only one number per token leaves the session."""
+    -log softmax(logits)[target], so only one number per token leaves the session; then the outputs named in `keep`."""
     model = model.clone()
     g = model.graph
     logits = next((v for v in g.outputs if v.name == "logits"), None)
@@ -106,19 +116,22 @@ def scoring_model(model: ir.Model) -> ir.Model:
     nll.name, nll.dtype, nll.shape = NLL, ir.DataType.FLOAT, ir.Shape(["batch_size", "sequence_length"])
     g.extend(nodes)
     g.inputs.append(targets)
+    kept = [v for name in keep for v in g.outputs if v.name == name]
     g.outputs.clear()
-    g.outputs.append(nll)
+    g.outputs.extend([nll, *kept])
     RemoveUnusedNodesPass()(model)  # drops the KV cache outputs' own nodes
     return model
 
 
 class Scorer:
-    """One session that scores token windows under a model; reuse it for many windows or switch settings."""
+    """One session that scores token windows under a model; reuse it for many windows or switch settings.
+    keep: outputs of `model` that a call can also hand back (see `kept`)."""
 
-    def __init__(self, model: ir.Model | str | Path, options: runtime.Options = runtime.Options()):
+    def __init__(self, model: ir.Model | str | Path, options: runtime.Options = runtime.Options(), keep: Sequence[str] = ()):
         if not isinstance(model, ir.Model):
             model = graph.load(model)
-        self.session = runtime.session(scoring_model(model), options)
+        self.keep = tuple(keep)
+        self.session = runtime.session(scoring_model(model, self.keep), options)
 
     def __call__(
         self,
@@ -127,8 +140,10 @@ class Scorer:
         batch_size: int = 1,
         extra: dict[str, np.ndarray] | None = None,
         progress: Progress | None = None,
+        kept: dict[str, np.ndarray] | None = None,
     ) -> Perplexity:
-        """Token-weighted mean NLL (nats) of `windows`; `extra` feeds inputs a diagnostic graph added."""
+        """Token-weighted mean NLL (nats) of `windows`; `extra` feeds inputs a diagnostic graph added.
+        `kept`, when given, receives the `keep` outputs of the last batch, by name."""
         start = time.perf_counter()
         sums, counts = [], []
         positions = np.arange(windows.seq_len)
@@ -137,7 +152,9 @@ class Scorer:
             targets = np.zeros_like(ids)
             targets[:, :-1] = ids[:, 1:]  # position t predicts token t + 1; the last position predicts nothing
             feed = runtime.feeds(self.session, ids, extra={TARGETS: targets, **(extra or {})})
-            (nll,) = self.session.run([NLL], feed)
+            nll, *outputs = self.session.run([NLL, *(self.keep if kept is not None else ())], feed)
+            if kept is not None:
+                kept.update(zip(self.keep, outputs))
             first = windows.score_from[lo : lo + batch_size, None]
             scored = (positions[None, :] >= first) & (positions[None, :] < windows.seq_len - 1)
             sums += [float(s) for s in np.where(scored, nll, 0).astype(np.float64).sum(1)]

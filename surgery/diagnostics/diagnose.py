@@ -208,27 +208,45 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
 def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset()) -> dict:
     """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits;
     kinds in all_only at all layers only): dNLL per kind and layer, and under "interval" its 95 % paired
-    bootstrap [low, high] over the windows."""
+    bootstrap [low, high] over the windows.
+
+    Window by window: the run with every switch off keeps each block's resid_post, and a run with a kind on at
+    block l alone starts there from block l - 1's (blocks < l compute what that run did). Where some block cannot
+    be skipped (graphs.resumable gives None) every run is a whole forward pass.
+    """
     n = len(blocks)
-    scorer = evaluate.Scorer(graphs.switchboard(model, kinds), options)
-
-    def score(on):
-        return scorer(windows, extra={graphs.SWITCHES: graphs.switches(kinds, n, on)})
-
-    base = score({})
+    board = graphs.switchboard(model, kinds)
+    resume = graphs.resumable(board)
+    scorer = evaluate.Scorer(board if resume is None else resume.model, options, keep=resume.resid_post if resume else ())
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
     jobs += [(kind, "all") for kind in kinds if kind != ("parallel",)]
+    runs = [("base", None)] + [job for job in jobs if not _already_parallel(job, blocks)]
+    parts: dict = {run: [] for run in runs}
+    for i in range(len(windows)):
+        window, kept = windows.take([i]), {}
+        for done, (kind, layer) in enumerate(runs, 1):
+            on = {} if kind == "base" else {kind: set(range(n)) if layer == "all" else {layer}}
+            extra = {graphs.SWITCHES: graphs.switches(kinds, n, on)}
+            if resume is not None:
+                extra |= resume.inputs(layer if isinstance(layer, int) else 0, kept)
+            parts[(kind, layer)].append(scorer(window, extra=extra, kept=kept if kind == "base" else None))
+            tell("losses", i * len(runs) + done, len(windows) * len(runs))
+    base = evaluate.joined(parts[("base", None)])
     result: dict = {"base": base.loss, "interval": {kind: {} for kind in kinds}, **{kind: {} for kind in kinds}}
-    for done, (kind, layer) in enumerate(jobs, 1):
-        if kind == ("parallel",) and blocks[layer].is_parallel:
-            result[kind][layer] = result["interval"][kind][layer] = None  # already parallel: nothing to measure
-        else:
-            p = score({kind: set(range(n)) if layer == "all" else {layer}})
-            d = evaluate.delta(base, p)
-            result[kind][layer] = p.loss - base.loss
-            result["interval"][kind][layer] = [d.low, d.high]
-        tell("losses", done, len(jobs))
+    for kind, layer in jobs:
+        if _already_parallel((kind, layer), blocks):
+            result[kind][layer] = result["interval"][kind][layer] = None  # nothing to measure
+            continue
+        p = evaluate.joined(parts[(kind, layer)])
+        d = evaluate.delta(base, p)
+        result[kind][layer] = p.loss - base.loss
+        result["interval"][kind][layer] = [d.low, d.high]
     return result
+
+
+def _already_parallel(job, blocks) -> bool:
+    kind, layer = job
+    return kind == ("parallel",) and layer != "all" and blocks[layer].is_parallel
 
 
 def _describe(w: data.Windows) -> dict:

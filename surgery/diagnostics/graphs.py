@@ -10,6 +10,9 @@
   whatever the switches: attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and
   resid_post (each block's mlp is evaluated a second time on the input its branch does not read).
 - field: one block's mlp(ln2(z)) for any z, for the critical points of the mlp field.
+- resumable: each block's nodes in an If, so that a run can start at block `surgery_start` from a resid_pre
+  an earlier run of the same inputs output; blocks before it compute nothing. An edit at block l then
+  leaves blocks < l to that earlier run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from surgery.passes.common import float_dtype
 from surgery.passes.project import edit_nodes, sink_mask
 
 SWITCHES, FIELD_IN, FIELD_OUT = "surgery_switches", "surgery_z", "surgery_field"
+START, RESUME = "surgery_start", "surgery_resid_pre"
 TENSORS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 
 
@@ -204,6 +208,97 @@ def switches(kinds: list[tuple[str, ...]], n_layers: int, on: dict[tuple[str, ..
     for kind, layers in (on or {}).items():
         array[kinds.index(kind), sorted(layers)] = 1.0
     return array
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumable:
+    """A resumable graph; resid_post[l] names its output with block l's resid_post, for every block but the last."""
+
+    model: ir.Model
+    resid_post: tuple[str, ...]
+    dtype: np.dtype  # of the residual stream
+
+    def inputs(self, start: int, kept: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The inputs that run blocks start.. from kept[resid_post[start - 1]], an earlier run's output
+        (start 0 reads no stream: its [1, 0, 0] stand-in is never read)."""
+        resid_pre = kept[self.resid_post[start - 1]] if start else np.zeros((1, 0, 0), self.dtype)
+        return {START: np.array(start, np.int64), RESUME: resid_pre}
+
+
+def resumable(model: ir.Model) -> Resumable | None:
+    """`model` with the nodes of each block but the last in an If that runs them only when `surgery_start` <= layer,
+    block `surgery_start` reading `surgery_resid_pre` [batch, pos, d_model] as its resid_pre; the last block always runs.
+    Everything the blocks read besides the stream (masks, rotary tables, positions, switches) is still computed from the
+    graph inputs. Of the model's outputs only `logits` stays (the KV cache would need every block), then resid_post of
+    each wrapped block. None when a block computes a value that something outside it reads: it cannot be skipped.
+    """
+    blocks = find_blocks(model)
+    model = model.clone()
+    g = model.graph
+    logits = [v for v in g.outputs if v.name == "logits"]
+    g.outputs.clear()
+    g.outputs.extend(logits)
+    RemoveUnusedNodesPass()(model)
+    values = values_by_name(model)
+    dtype = graph.stream_dtype(model)
+    start = ir.Value(name=START, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    resume = ir.Value(name=RESUME, type=ir.TensorType(dtype), shape=ir.Shape(["batch", "pos", "d_model"]))
+    g.inputs.extend([start, resume])
+    wrapped: dict[ir.Value, ir.Value] = {}  # a block's resid_post -> the If output that replaces it
+    for block in blocks[:-1]:
+        pre, post = values[block.resid_pre], values[block.resid_post]
+        nodes = _block_nodes(wrapped.get(pre, pre), post)
+        inside = [v for node in nodes for v in node.outputs if v is not post]
+        if post.producer() not in nodes or any(v.is_graph_output() or any(u not in nodes for u, _ in v.uses()) for v in inside):
+            return None
+        wrapped[post] = _skippable(g, nodes, post, start, resume, block.layer, dtype)
+    g.sort()
+    g.outputs.extend(wrapped.values())
+    return Resumable(model, tuple(v.name for v in wrapped.values()), dtype.numpy())
+
+
+def _block_nodes(pre: ir.Value, post: ir.Value) -> set[ir.Node]:
+    """The nodes computing `post` from `pre`: on a path from pre to post. A Shape (or Size) of pre itself is left
+    out: what it computes (masks, positions) does not change when pre does, and other blocks read it."""
+    down, todo = set(), [pre]
+    while todo:
+        value = todo.pop()
+        for user, _ in value.uses():
+            if user not in down and not (value is pre and user.op_type in ("Shape", "Size")):
+                down.add(user)
+                todo.extend(user.outputs)
+    up, todo = set(), [post]
+    while todo:
+        node = todo.pop().producer()
+        if node in down and node not in up:
+            up.add(node)
+            todo.extend(x for x in node.inputs if x is not None)
+    return up
+
+
+def _skippable(g: ir.Graph, nodes: set[ir.Node], post: ir.Value, start: ir.Value, resume: ir.Value, layer: int, dtype) -> ir.Value:
+    """Move block `layer`'s `nodes` into an If that runs them when start <= layer and else hands on `resume`;
+    the If's output replaces `post` outside the block."""
+    prefix = f"surgery/resume/blocks.{layer}"
+    uses = [(user, i) for user, i in post.uses() if user not in nodes]
+    moved = [node for node in g if node in nodes]  # in graph order
+    g.remove(moved)
+    if post.type is None:
+        post.type = ir.TensorType(dtype)
+    skip = ir.node("Identity", [resume], name=f"{prefix}/skipped")
+    skip.outputs[0].name, skip.outputs[0].type = f"{prefix}/skipped", post.type
+    runs = _op(g, "LessOrEqual", [start, _const(g, f"{prefix}/layer", np.array(layer, np.int64))], f"{prefix}/runs")
+    branches = {
+        "then_branch": ir.Graph([], [post], nodes=moved, name=f"{prefix}/run"),
+        "else_branch": ir.Graph([], skip.outputs, nodes=[skip], name=f"{prefix}/skip"),
+    }
+    node = ir.node("If", [runs], attributes=branches, name=prefix)
+    out = node.outputs[0]
+    out.name, out.type, out.shape = f"{prefix}/resid_post", post.type, post.shape
+    g.append(node)
+    for user, i in uses:
+        user.replace_input_with(i, out)
+    return out
 
 
 def field(model: ir.Model, block: BlockMap) -> ir.Model:

@@ -70,6 +70,8 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
     """Why `block` cannot be compensated (fused, or parallel as exported), or None."""
     if block.fused:
         return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
+    if (why := projection.quantized_refusal(model, block, "compensate")) is not None:
+        return why
     if block.post_norm:
         return (
             f"cannot compensate block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so a fix "

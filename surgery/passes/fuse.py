@@ -38,6 +38,8 @@ def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | No
     blocks = find_blocks(model)
     chosen = check_layers(layers, blocks)
     for block in blocks:
+        if block.layer in chosen and (why := projection.quantized_refusal(model, block, "fuse")) is not None:
+            raise SurgeryError(why)
         if block.layer in chosen and block.post_norm:
             raise SurgeryError(
                 f"cannot fuse block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so attn_out "

@@ -11,6 +11,8 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from surgery import ops
+from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
 
 
@@ -141,3 +143,24 @@ def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     value = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(array), name=name))
     graph.register_initializer(value)
     return value
+
+
+def quantized(model: ir.Model, block: BlockMap) -> str | None:
+    """The quantized op (MatMulNBits, ...) computing one of the block's projections, or None when all are plain."""
+    for branch in ("attn", "mlp"):
+        for node in branch_nodes(model, block, branch):
+            if node.op_type in ops.QUANTIZED:
+                bits = node.attributes["bits"].value if "bits" in node.attributes else 4
+                return f"{node.op_type} ({bits}-bit weights)"
+    return None
+
+
+def quantized_refusal(model: ir.Model, block: BlockMap, why: str) -> str | None:
+    """One line saying why a pass that folds into the weights refuses a block with quantized projections."""
+    op = quantized(model, block)
+    if op is None:
+        return None
+    return (
+        f"cannot {why} block {block.layer}: its projections are {op}, and folding into them would need requantizing "
+        f"with a new rounding error; {why} the float model and quantize the result, or parallelize plain without it"
+    )

@@ -1,0 +1,227 @@
+"""Graphs as people deploy them: the ONNX Runtime GenAI builder's (fp32, int4) and the ORT transformers
+optimizer's, built inside the test from tiny random HF models, read and rewritten like our own exports."""
+
+import collections
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from typer.testing import CliRunner
+
+from surgery import graph, ops, runtime
+from surgery.blocks import find_blocks
+from surgery.cli import app
+from surgery.errors import SurgeryError
+from surgery.passes import MODES, compensate, fuse, parallelize, project
+from surgery.passes.common import Fix
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime_genai")
+from tests.reference import block_tensors, edited_logits, with_genai_int4_weights  # noqa: E402
+
+IDS = np.random.default_rng(2).integers(0, 512, size=(2, 9))
+# int4: the builder's MatMulNBits quantize activations to int8 on CPU (accuracy_level 4), so the graph differs
+# from the HF model with its dequantized weights by up to 0.0071 on logits of magnitude 0.6 (measured); the
+# tolerance is twice that. Every other graph equals its HF model to float error.
+INT4_TOL = 1.5e-2
+VARIANTS = {
+    "genai-fp32": ("llama", "genai", "fp32"),
+    "genai-int4": ("llama", "genai", "int4"),
+    "ortopt-llama": ("llama", "ortopt", 2),  # SkipSimplifiedLayerNormalization, QuickGelu
+    "ortopt-llama-rotary": ("llama", "ortopt", 0),  # ... and RotaryEmbedding
+    "ortopt-gpt2": ("gpt2", "ortopt", 2),  # SkipLayerNormalization with the mlp bias folded in, FastGelu
+}
+pytestmark = pytest.mark.xdist_group("deployed")
+
+
+class Deployed:
+    """A tiny HF model, its deployed graph, and the tolerance of hooks-vs-graph comparisons."""
+
+    def __init__(self, name, folder, hf_cache):
+        from transformers import AutoModelForCausalLM
+
+        from graphs.deployed import genai_build, ort_optimize
+        from graphs.make_fixtures import save_tiny
+        from surgery.export import export
+
+        family, tool, option = VARIANTS[name]
+        if family not in hf_cache:
+            hf = save_tiny(family, folder / f"hf-{family}", seed=5)
+            hf_cache[family] = (hf, None if tool == "genai" else export(str(hf), folder / f"onnx-{family}").folder)
+        hf, exported = hf_cache[family]
+        if tool == "genai":
+            self.folder = genai_build(hf, folder / name, option)
+        else:
+            self.folder = ort_optimize(exported or export(str(hf), folder / f"onnx-{family}").folder, folder / name, level=option)
+        self.onnx = graph.load(self.folder)
+        self.torch = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+        self.int4 = option == "int4"
+        if self.int4:
+            with_genai_int4_weights(self.torch, self.onnx)
+        self.tol = INT4_TOL if self.int4 else 1e-4
+
+
+_HF: dict = {}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def deployed(request, tmp_path_factory):
+    return Deployed(request.param, tmp_path_factory.mktemp(request.param), _HF)
+
+
+def logits(model, ids=IDS) -> np.ndarray:
+    session = runtime.session(model)
+    return session.run(["logits"], runtime.feeds(session, ids))[0]
+
+
+def contrib_ops(path) -> collections.Counter:
+    model = ir.load(graph.resolve(path))
+    return collections.Counter(n.op_type for n in model.graph if n.domain == ops.MS)
+
+
+def test_found_tensors_equal_the_hooked_hf_model(deployed):
+    blocks = find_blocks(deployed.onnx)
+    assert [b.form for b in blocks] == ["sequential"] * 3
+    assert all(b.mlp_kind == ("plain" if deployed.torch.config.model_type == "gpt2" else "gated") for b in blocks)
+    names = [(b.layer, key, value) for b in blocks for key, value in b.tensors().items()]
+    session = runtime.session(graph.tap(deployed.onnx, [v for _, _, v in names]))
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, IDS))))
+    expected_logits, expected = block_tensors(deployed.torch, IDS)
+    np.testing.assert_allclose(got["logits"], expected_logits, rtol=deployed.tol, atol=deployed.tol)
+    for layer, key, value in names:
+        scale = np.abs(expected[layer][key]).max()
+        np.testing.assert_allclose(got[value], expected[layer][key], rtol=deployed.tol, atol=deployed.tol * scale, err_msg=f"blocks.{layer}.{key}")
+    if deployed.int4:  # and, to float error, the unrewritten int4 graph's own values, where it exposes them
+        raw = ir.load(graph.resolve(deployed.folder))
+        graph._fix_kv_sizes(raw, deployed.folder)
+        present = {v.name for n in raw.graph for v in n.outputs}
+        exposed = [v for _, _, v in names if v in present]
+        assert len(exposed) == len(names) - 1  # the last block's resid_post is a sum the final norm keeps to itself
+        own = runtime.session(graph.tap(raw, exposed))
+        values = dict(zip([o.name for o in own.get_outputs()], own.run(None, runtime.feeds(own, IDS))))
+        for name in exposed:
+            np.testing.assert_allclose(got[name], values[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("layers", [{1}, {0, 1, 2}], ids=str)
+def test_parallelize_matches_the_hooked_hf_model(deployed, layers):
+    result = parallelize(deployed.onnx, layers)
+    expected = edited_logits(deployed.torch, IDS, parallel=layers)
+    np.testing.assert_allclose(logits(result.model), expected, rtol=deployed.tol, atol=deployed.tol)
+    assert [b.is_parallel for b in find_blocks(result.model)] == [layer in layers for layer in range(3)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("branch", ["mlp", "attn"])
+def test_project_matches_the_hooked_hf_model(deployed, branch, mode):
+    scale = 0.5 if mode == "scale" else None
+    result = project(deployed.onnx, branch, mode, {0, 1, 2}, scale)
+    expected = edited_logits(deployed.torch, IDS, branch_edits=[(branch, mode, {0, 1, 2}, scale)])
+    np.testing.assert_allclose(logits(result.model), expected, rtol=deployed.tol, atol=deployed.tol)
+
+
+def test_written_rewrites_keep_the_input_s_fused_ops(deployed, tmp_path):
+    """Saved, a rewrite holds the same fused ops as its input (a parallel block's two norms stay two
+    Skip norms) and nothing of the split form; loaded again it is the same rewrite."""
+    model = parallelize(deployed.onnx, {1}).model
+    model = project(model, "mlp", "tangential", {0, 1, 2}).model
+    out = graph.write(model, tmp_path / "out", deployed.folder)
+    assert contrib_ops(out) == contrib_ops(deployed.folder)
+    written = ir.load(out)
+    assert not any(ops.UNFUSED_KEY in n.metadata_props for n in written.graph)
+    again = graph.load(out.parent)
+    assert [b.form for b in find_blocks(again)] == ["sequential", "parallel", "sequential"]
+    np.testing.assert_allclose(logits(again), logits(model), rtol=1e-5, atol=1e-5)
+    names = {p.name for p in deployed.folder.iterdir()} - {p.name for p in graph.external_data_files(deployed.onnx)}
+    assert names <= {p.name for p in out.parent.iterdir()}  # genai_config.json, tokenizer files, ...
+
+
+def test_fuse_and_compensate_match_the_hooked_hf_model(deployed):
+    if deployed.int4:
+        pytest.skip("MatMulNBits weights: folding refuses (next test)")
+    d = deployed.torch.config.hidden_size
+    rng = np.random.default_rng(3)
+    fix = (0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d))
+    expected = edited_logits(deployed.torch, IDS, parallel={1}, fixes={1: fix})
+    np.testing.assert_allclose(logits(compensate(deployed.onnx, {1: Fix(*fix)}).model), expected, rtol=1e-4, atol=1e-4)
+    fused = fuse(deployed.onnx, {0, 1, 2}).model
+    np.testing.assert_allclose(logits(fused), edited_logits(deployed.torch, IDS, parallel={0, 1, 2}), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("deployed", ["genai-int4"], indirect=True)
+def test_folding_passes_on_quantized_weights_refuse_in_one_line(deployed):
+    with pytest.raises(SurgeryError, match=r"^cannot fuse block 0: .*MatMulNBits"):
+        fuse(deployed.onnx, {0})
+    with pytest.raises(SurgeryError, match=r"^cannot compensate block 0: .*MatMulNBits"):
+        compensate(deployed.onnx, {0: Fix.gate(0.9)})
+
+
+def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):
+    """The optimizer fuses an Add into the one norm after it only: a parallel block's ln2 reads its own copy
+    of resid_pre, so both of its norms still fuse."""
+    from graphs.deployed import ort_optimize
+    from tests.conftest import GRAPHS
+
+    rewritten = graph.write(parallelize(graph.load(GRAPHS / "tiny-llama"), {1, 2}).model, tmp_path / "par", GRAPHS / "tiny-llama")
+    original = ort_optimize(GRAPHS / "tiny-llama", tmp_path / "opt", level=1)
+    optimized = ort_optimize(rewritten.parent, tmp_path / "par-opt", level=1)
+    assert contrib_ops(optimized)["SkipSimplifiedLayerNormalization"] == contrib_ops(original)["SkipSimplifiedLayerNormalization"] == 6
+    assert [b.form for b in find_blocks(graph.load(optimized))] == ["sequential", "parallel", "parallel"]
+
+
+def test_rewritten_genai_folder_generates_in_onnxruntime_genai(tmp_path):
+    """parallelize on a GenAI builder folder -> a folder og.Model loads; greedy tokens equal the HF model's
+    with the same blocks made parallel by hooks (fed token ids)."""
+    import onnxruntime_genai as og
+    from transformers import AutoModelForCausalLM
+
+    from graphs.deployed import genai_build
+    from graphs.make_fixtures import save_tiny
+    from tests.reference import Edits
+
+    hf = save_tiny("llama", tmp_path / "hf", seed=5)
+    built = genai_build(hf, tmp_path / "genai")
+    result = CliRunner().invoke(app, ["parallelize", str(built), "--layers", "0,2", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "genai_config.json").read_text()) == json.loads((built / "genai_config.json").read_text())
+
+    prompt, steps = [0, 17, 99, 5, 300], 12
+    config = og.Config(str(tmp_path / "out"))
+    config.clear_providers()
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + steps)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+
+    reference = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    ids = list(prompt)
+    with Edits(reference, parallel={0, 2}), torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(reference(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert tokens == ids[len(prompt):]
+    plain = edited_logits(reference, np.array([ids[:-1]]))[0].argmax(-1)
+    assert list(plain[len(prompt) - 1 :]) != ids[len(prompt):]  # the parallel blocks changed what it says
+
+
+def test_an_op_the_table_does_not_know_is_one_line(tmp_path):
+    """A block holding an op outside the standard domain that surgery's op table does not describe."""
+    from tests.conftest import GRAPHS
+
+    model = ir.load(GRAPHS / "tiny-llama" / "model.onnx")
+    block = find_blocks(graph.load(GRAPHS / "tiny-llama"))[1]
+    values = graph.values_by_name(model)
+    down = values[block.mlp_out].producer()  # the down projection; its input is act(gate) * up
+    gated = down.inputs[0].producer()
+    gated.domain, gated.op_type = "example.custom", "GatedMul"
+    model.opset_imports["example.custom"] = 1
+    ir.save(model, tmp_path / "custom.onnx")
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "custom.onnx")])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: block 1 of ") and "GatedMul (example.custom)" in lines[0], result.output
