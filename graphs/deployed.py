@@ -42,3 +42,22 @@ def ort_optimize(folder: Path, out: Path, model_type: str = "gpt2", level: int =
     optimized = optimize_model(str(folder / MODEL), model_type=model_type, num_heads=0, hidden_size=0, opt_level=level)
     optimized.save_model_to_file(str(out / MODEL))
     return out
+
+
+def genai_greedy(folder: Path, prompt: list[int], steps: int) -> list[int]:
+    """The `steps` tokens onnxruntime_genai generates greedily after the token ids `prompt`, on CPU."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    config.clear_providers()
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + steps)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens

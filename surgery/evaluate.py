@@ -298,22 +298,23 @@ def check_seq_len(model: str | Path, seq_len: int, decode: bool = True) -> None:
     needed = seq_len + 1 if decode else seq_len
     if limit is not None and needed > limit:
         raise SurgeryError(
-            f"--seq-len {seq_len} is beyond the model's position limit {limit} (config.json"
+            f"--seq-len {seq_len} is beyond the model's position limit {limit} (config.json or genai_config.json"
             f"{'; decode needs seq-len + 1' if decode else ''}); choose --seq-len {limit - 1 if decode else limit} or less"
         )
 
 
 def position_limit(model: str | Path) -> int | None:
-    """The model's position limit from config.json beside it (max_position_embeddings or n_positions)."""
-    config = graph.resolve(model).parent / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        data = json.loads(config.read_text())
-    except (json.JSONDecodeError, OSError):
-        return None
-    for key in ("max_position_embeddings", "n_positions"):
-        if isinstance(data.get(key), int):
-            return data[key]
+    """The model's position limit from config.json beside it (max_position_embeddings or n_positions), or
+    from genai_config.json (model.context_length) in a GenAI builder folder."""
+    folder = graph.resolve(model).parent
+    for name, keys in (("config.json", ("max_position_embeddings", "n_positions")), ("genai_config.json", ("context_length",))):
+        try:
+            data = json.loads((folder / name).read_text())
+        except (json.JSONDecodeError, OSError):
+            continue
+        data = data.get("model", {}) if name == "genai_config.json" else data
+        for key in keys:
+            if isinstance(data.get(key), int):
+                return data[key]
     return None
 

@@ -180,3 +180,12 @@ def with_genai_int4_weights(model, onnx_model) -> None:
                 weight.copy_(torch.from_numpy(w[:, start : start + rows].T.astype(np.float32)))
             start += rows
         assert start == w.shape[1], module
+
+
+def greedy(model, prompt: list[int], steps: int, parallel=()) -> list[int]:
+    """The `steps` tokens the HF model picks greedily after `prompt`, with the `parallel` blocks made parallel by hooks."""
+    ids = list(prompt)
+    with Edits(model, parallel=parallel), torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]

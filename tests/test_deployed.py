@@ -173,12 +173,11 @@ def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):
 def test_rewritten_genai_folder_generates_in_onnxruntime_genai(tmp_path):
     """parallelize on a GenAI builder folder -> a folder og.Model loads; greedy tokens equal the HF model's
     with the same blocks made parallel by hooks (fed token ids)."""
-    import onnxruntime_genai as og
     from transformers import AutoModelForCausalLM
 
-    from graphs.deployed import genai_build
+    from graphs.deployed import genai_build, genai_greedy
     from graphs.make_fixtures import save_tiny
-    from tests.reference import Edits
+    from tests.reference import greedy
 
     hf = save_tiny("llama", tmp_path / "hf", seed=5)
     built = genai_build(hf, tmp_path / "genai")
@@ -187,26 +186,10 @@ def test_rewritten_genai_folder_generates_in_onnxruntime_genai(tmp_path):
     assert json.loads((tmp_path / "out" / "genai_config.json").read_text()) == json.loads((built / "genai_config.json").read_text())
 
     prompt, steps = [0, 17, 99, 5, 300], 12
-    config = og.Config(str(tmp_path / "out"))
-    config.clear_providers()
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + steps)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-
     reference = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
-    ids = list(prompt)
-    with Edits(reference, parallel={0, 2}), torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(reference(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    assert tokens == ids[len(prompt):]
-    plain = edited_logits(reference, np.array([ids[:-1]]))[0].argmax(-1)
-    assert list(plain[len(prompt) - 1 :]) != ids[len(prompt):]  # the parallel blocks changed what it says
+    tokens = genai_greedy(tmp_path / "out", prompt, steps)
+    assert tokens == greedy(reference, prompt, steps, parallel={0, 2})
+    assert tokens != greedy(reference, prompt, steps)  # the parallel blocks changed what it says
 
 
 def test_an_op_the_table_does_not_know_is_one_line(tmp_path):

@@ -114,3 +114,54 @@ def test_auto_parallel_with_defaults_keeps_ten_blocks_within_002_nats_and_fuses_
     sessions = [runtime.session(m) for m in (plain, fused)]
     a, b = (s.run(["logits"], runtime.feeds(s, ids))[0] for s in sessions)
     np.testing.assert_allclose(b, a, atol=1e-3, rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def genai(smollm2, reference, tmp_path_factory):
+    """SmolLM2 built by the ONNX Runtime GenAI model builder (fp32, CPU) from the same weights."""
+    import shutil
+
+    pytest.importorskip("onnxruntime_genai")
+    from graphs.deployed import genai_build
+
+    folder = tmp_path_factory.mktemp("smollm2-genai")
+    reference.save_pretrained(folder / "hf")
+    for item in smollm2.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(item, folder / "hf" / item.name)
+    return genai_build(folder / "hf", folder / "genai")
+
+
+def test_genai_builder_graph_measures_like_the_optimum_export(smollm2, genai):
+    from surgery import data, evaluate
+    from surgery.passes import parallelize, project
+
+    assert [b.form for b in find_blocks(graph.load(genai))] == ["sequential"] * 30
+    windows = data.windows(smollm2, seq_len=128, max_windows=2)
+    losses = {}
+    for name, path in (("optimum", smollm2), ("genai", genai)):
+        model = graph.load(path)
+        base = evaluate.perplexity(model, windows).loss
+        losses[name] = (
+            base,
+            evaluate.perplexity(project(model, "mlp", "tangential", range(30)).model, windows).loss - base,
+            evaluate.perplexity(parallelize(model, {5, 22, 25}).model, windows).loss - base,
+        )
+    assert abs(losses["genai"][0] - losses["optimum"][0]) < 1e-4
+    assert losses["optimum"][1] > 1.0  # the ablation really bites
+    np.testing.assert_allclose(losses["genai"][1:], losses["optimum"][1:], atol=1e-3)
+
+
+def test_rewritten_genai_folder_generates_like_the_hooked_torch_model(smollm2, genai, reference, tmp_path):
+    """`parallelize --layers 5,22,25` on the GenAI folder; onnxruntime_genai's first 20 greedy tokens equal
+    HF's with the same blocks made parallel by hooks (token ids fed: og.Tokenizer mis-encodes this tokenizer)."""
+    from tokenizers import Tokenizer
+
+    from graphs.deployed import genai_greedy
+    from surgery.data import default_corpus
+    from tests.reference import greedy
+
+    result = CliRunner().invoke(app, ["parallelize", str(genai), "--layers", "5,22,25", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    prompt = Tokenizer.from_file(str(smollm2 / "tokenizer.json")).encode(default_corpus()[:400]).ids[:16]
+    assert genai_greedy(tmp_path / "out", prompt, 20) == greedy(reference, prompt, 20, parallel={5, 22, 25})
