@@ -28,12 +28,13 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from surgery import runtime
-from surgery.blocks import find_blocks
+from surgery.blocks import BlockMap, find_blocks
 from surgery.data import Windows
 from surgery.diagnostics import graphs
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Fix
+from surgery.passes import projection
 from surgery.passes.compensate import refusal
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # times diag(Z'Z)
@@ -213,8 +214,9 @@ def fit(
     if table is None:
         raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
     d_model = table[1]
+    no_fold = {b.layer: _no_fold(model, b) for b in blocks if not b.is_parallel}
     for block in (b for b in blocks if layers is not None and b.layer in layers):
-        if block.is_parallel or block.post_norm:
+        if block.is_parallel or no_fold[block.layer]:
             raise SurgeryError(refusal(model, block) or (
                 f"cannot compensate block {block.layer}: it is parallel already, so there is no sequential-to-parallel "
                 "defect to fit; compensate the original sequential model"
@@ -242,7 +244,15 @@ def fit(
                 progress(done, total)
         for layer in chunk:
             results[layer] = sums[layer].solve(layer, kind, ridges)
-            if blocks[layer].post_norm:  # scored, but its fix has nowhere to go: the block stays plain
-                results[layer] = dataclasses.replace(results[layer], fix=None, note="branch outputs are normalised: no fold")
+            if no_fold[layer]:  # scored, but its fix has nowhere to go: the block stays plain
+                results[layer] = dataclasses.replace(results[layer], fix=None, note=no_fold[layer])
         del sums
     return results
+
+
+def _no_fold(model: ir.Model, block: BlockMap) -> str | None:
+    """Why a fix of this sequential block could not be folded into its weights, or None."""
+    if block.post_norm:
+        return "branch outputs are normalised: no fold"
+    op = projection.quantized(model, block)
+    return None if op is None else f"{op}: no fold"

@@ -35,39 +35,60 @@ VARIANTS = {
 pytestmark = pytest.mark.xdist_group("deployed")
 
 
-class Deployed:
-    """A tiny HF model, its deployed graph, and the tolerance of hooks-vs-graph comparisons."""
+class Builds:
+    """Tiny random HF models and what optimum, the GenAI builder and the ORT optimizer make of them, each made once."""
 
-    def __init__(self, name, folder, hf_cache):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, root):
+        self.root, self._made = root, {}
 
-        from graphs.deployed import genai_build, ort_optimize
+    def _once(self, key, make):
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def hf(self, family):
         from graphs.make_fixtures import save_tiny
+
+        return self._once(("hf", family), lambda: save_tiny(family, self.root / f"hf-{family}", seed=5))
+
+    def optimum(self, family):
         from surgery.export import export
 
+        return self._once(("optimum", family), lambda: export(str(self.hf(family)), self.root / f"optimum-{family}").folder)
+
+    def variant(self, name):
+        from graphs.deployed import genai_build, ort_optimize
+
         family, tool, option = VARIANTS[name]
-        if family not in hf_cache:
-            hf = save_tiny(family, folder / f"hf-{family}", seed=5)
-            hf_cache[family] = (hf, None if tool == "genai" else export(str(hf), folder / f"onnx-{family}").folder)
-        hf, exported = hf_cache[family]
         if tool == "genai":
-            self.folder = genai_build(hf, folder / name, option)
-        else:
-            self.folder = ort_optimize(exported or export(str(hf), folder / f"onnx-{family}").folder, folder / name, level=option)
+            return self._once(name, lambda: genai_build(self.hf(family), self.root / name, option))
+        return self._once(name, lambda: ort_optimize(self.optimum(family), self.root / name, level=option))
+
+
+class Deployed:
+    """A deployed graph, its HF model (int4: with the dequantized weights), and the tolerance of hooks-vs-graph comparisons."""
+
+    def __init__(self, name, builds):
+        from transformers import AutoModelForCausalLM
+
+        family, _, option = VARIANTS[name]
+        self.folder = builds.variant(name)
         self.onnx = graph.load(self.folder)
-        self.torch = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+        self.torch = AutoModelForCausalLM.from_pretrained(builds.hf(family), attn_implementation="eager").eval()
         self.int4 = option == "int4"
         if self.int4:
             with_genai_int4_weights(self.torch, self.onnx)
         self.tol = INT4_TOL if self.int4 else 1e-4
 
 
-_HF: dict = {}
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    return Builds(tmp_path_factory.mktemp("deployed"))
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def deployed(request, tmp_path_factory):
-    return Deployed(request.param, tmp_path_factory.mktemp(request.param), _HF)
+def deployed(request, builds):
+    return Deployed(request.param, builds)
 
 
 def logits(model, ids=IDS) -> np.ndarray:
@@ -170,23 +191,21 @@ def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):
     assert [b.form for b in find_blocks(graph.load(optimized))] == ["sequential", "parallel", "parallel"]
 
 
-def test_rewritten_genai_folder_generates_in_onnxruntime_genai(tmp_path):
+def test_rewritten_genai_folder_generates_in_onnxruntime_genai(builds, tmp_path):
     """parallelize on a GenAI builder folder -> a folder og.Model loads; greedy tokens equal the HF model's
     with the same blocks made parallel by hooks (fed token ids)."""
     from transformers import AutoModelForCausalLM
 
-    from graphs.deployed import genai_build, genai_greedy
-    from graphs.make_fixtures import save_tiny
+    from graphs.deployed import genai_greedy
     from tests.reference import greedy
 
-    hf = save_tiny("llama", tmp_path / "hf", seed=5)
-    built = genai_build(hf, tmp_path / "genai")
+    built = builds.variant("genai-fp32")
     result = CliRunner().invoke(app, ["parallelize", str(built), "--layers", "0,2", "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "out" / "genai_config.json").read_text()) == json.loads((built / "genai_config.json").read_text())
 
     prompt, steps = [0, 17, 99, 5, 300], 12
-    reference = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(builds.hf("llama"), attn_implementation="eager").eval()
     tokens = genai_greedy(tmp_path / "out", prompt, steps)
     assert tokens == greedy(reference, prompt, steps, parallel={0, 2})
     assert tokens != greedy(reference, prompt, steps)  # the parallel blocks changed what it says
@@ -208,3 +227,22 @@ def test_an_op_the_table_does_not_know_is_one_line(tmp_path):
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: block 1 of ") and "GatedMul (example.custom)" in lines[0], result.output
+
+
+def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tmp_path):
+    """The same weights built by the GenAI builder and by optimum: the one-pass scores and the single-layer
+    dNLLs agree; auto on the int4 build keeps every block plain (its fix cannot be folded into MatMulNBits)."""
+    from surgery import select
+    from surgery.diagnostics import diagnose
+
+    reports = [
+        diagnose(path, seq_len=64, windows=2, eval_windows=2, only=("deficit", "defect", "gate"))
+        for path in (builds.optimum("llama"), builds.variant("genai-fp32"))
+    ]
+    for section, key in (("deficit", "deficit"), ("defect", "c"), ("defect", "c_stream"), ("gate", "alpha"), ("defect", "dnll_parallel")):
+        np.testing.assert_allclose(reports[1][section][key], reports[0][section][key], rtol=1e-3, atol=1e-5, err_msg=key)
+
+    outcome, _ = select.auto(builds.variant("genai-int4"), tmp_path / "auto", seq_len=64, fit_windows=4, windows=2, eval_windows=2, measure_latency=False)
+    chosen = outcome.selection
+    assert chosen.layers and set(chosen.forms.values()) == {"plain"}
+    assert all(chosen.fits[layer].fix is None and "MatMulNBits" in chosen.fits[layer].note for layer in range(3))
