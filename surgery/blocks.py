@@ -24,8 +24,6 @@ from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
 
 ATTENTION_OPS = ops.ATTENTION
-# Ops through which a value computed only from constants is still a constant (a weight).
-_CONST_PASSTHROUGH = frozenset({"Transpose", "Cast", "Reshape", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
 FIX_KEY = "surgery.fix"  # node metadata: the output projection carries a folded fix (compensated / calibrated)
 
 
@@ -342,29 +340,17 @@ def _strip_casts(value: ir.Value | None) -> ir.Value | None:
 
 
 class _ConstantTest:
-    """value -> True when it is a weight: an initializer or Constant, maybe transposed, cast or reshaped."""
+    """value -> True when it is a weight (ops.is_weight), memoized."""
 
     def __init__(self) -> None:
         self._memo: dict[ir.Value, bool] = {}
 
-    def __call__(self, value: ir.Value | None, depth: int = 0) -> bool:
+    def __call__(self, value: ir.Value | None) -> bool:
         if value is None:
             return False
         if value not in self._memo:
-            self._memo[value] = self._compute(value, depth)
+            self._memo[value] = ops.is_weight(value)
         return self._memo[value]
-
-    def _compute(self, value: ir.Value, depth: int) -> bool:
-        if value.const_value is not None or value.is_initializer():
-            return True
-        node = value.producer()
-        if node is None:
-            return False
-        if node.op_type == "Constant":
-            return True
-        if node.op_type in _CONST_PASSTHROUGH and depth < 4:
-            return self(node.inputs[0], depth + 1)
-        return False
 
 
 def _sum_terms(value: ir.Value, is_const: _ConstantTest) -> list[ir.Value]:

@@ -75,7 +75,7 @@ def embedding_table(model: ir.Model) -> tuple[int, int] | None:
     """(vocab, d_model) from the token embedding: a Gather (or GatherBlockQuantized) from a 2-D weight by a graph input."""
     for node in model.graph:
         table, ids = node.inputs[0] if node.inputs else None, node.inputs[1] if len(node.inputs) > 1 else None
-        if node.op_type not in ops.EMBEDDINGS or table is None or ids is None or table.const_value is None:
+        if node.op_type not in ops.EMBEDDINGS or table is None or ids is None or not ops.is_weight(table):
             continue
         if table.shape is not None and table.shape.rank() == 2 and _from_input(ids):
             vocab, width = int(table.shape[0]), int(table.shape[1])

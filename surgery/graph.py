@@ -242,7 +242,7 @@ def stream_dtype(model: ir.Model) -> ir.DataType:
     """The float type of the residual stream: that of the token embedding table (of its scales when quantized)."""
     for node in model.graph:
         table, typed = ops.EMBEDDINGS.get(node.op_type, (None, None))
-        if table is None or len(node.inputs) <= typed or node.inputs[table] is None or node.inputs[table].const_value is None:
+        if table is None or len(node.inputs) <= typed or not ops.is_weight(node.inputs[table]):
             continue
         dtype = node.inputs[typed].dtype
         if dtype is not None and dtype.is_floating_point():

@@ -60,7 +60,23 @@ EMBEDDINGS = {"Gather": (0, 0), "GatherBlockQuantized": (0, 2)}
 PER_TOKEN = frozenset(
     {"QuickGelu", "FastGelu", "BiasGelu", "Gelu", "BiasAdd", "RotaryEmbedding", "GemmFastGelu", "FusedConv"}
 )
+# Ops through which a value computed only from constants is still a constant (a weight).
+WEIGHT_PASSTHROUGH = frozenset({"Transpose", "Cast", "Reshape", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
 KNOWN = frozenset(SKIP_NORMS) | frozenset(NORMS) | ATTENTION | frozenset(PROJECTIONS) | frozenset(EMBEDDINGS) | PER_TOKEN
+
+
+def is_weight(value: ir.Value | None, depth: int = 4) -> bool:
+    """True when `value` is an initializer or Constant, maybe transposed, cast or reshaped (`depth` ops at most)."""
+    if value is None:
+        return False
+    if value.const_value is not None or value.is_initializer():
+        return True
+    node = value.producer()
+    if node is None:
+        return False
+    if node.op_type == "Constant":
+        return True
+    return node.op_type in WEIGHT_PASSTHROUGH and depth > 0 and is_weight(node.inputs[0], depth - 1)
 
 
 def is_known(node: ir.Node) -> bool:

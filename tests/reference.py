@@ -159,7 +159,8 @@ def dequantize_matmul_nbits(packed: np.ndarray, scales: np.ndarray, k: int, n: i
 
 def with_genai_int4_weights(model, onnx_model) -> None:
     """Give the HF llama `model` the dequantized weights of its GenAI builder int4 export, in place
-    (the builder names its MatMulNBits weights after the modules: model.layers.0.attn.qkv_proj.MatMul.weight_Q4)."""
+    (the builder names its MatMulNBits weights after the modules: model.layers.0.attn.qkv_proj.MatMul.weight_Q4;
+    with tied embeddings the token table is the same quantized lm_head weight, read by GatherBlockQuantized)."""
     initializers = onnx_model.graph.initializers
     params = dict(model.named_parameters())
     for node in onnx_model.graph:
@@ -174,7 +175,7 @@ def with_genai_int4_weights(model, onnx_model) -> None:
         names = [module] if not prefix else [f"{prefix}layers.{last.split('.')[0]}.{t}" for t in targets.get(last.split(".", 1)[1], (last.split(".", 1)[1],))]
         start = 0
         for name in names:
-            weight = params[f"{name}.weight"]
+            weight = model.get_output_embeddings().weight if name == "lm_head" else params[f"{name}.weight"]  # tied: one tensor
             rows = weight.shape[0]
             with torch.no_grad():
                 weight.copy_(torch.from_numpy(w[:, start : start + rows].T.astype(np.float32)))

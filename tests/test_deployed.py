@@ -27,7 +27,7 @@ IDS = np.random.default_rng(2).integers(0, 512, size=(2, 9))
 INT4_TOL = 1.5e-2
 VARIANTS = {
     "genai-fp32": ("llama", "genai", "fp32"),
-    "genai-int4": ("llama", "genai", "int4"),
+    "genai-int4": ("llama-tied", "genai", "int4"),  # tied embeddings: the table is GatherBlockQuantized of lm_head's weights
     "ortopt-llama": ("llama", "ortopt", 2),  # SkipSimplifiedLayerNormalization, QuickGelu
     "ortopt-llama-rotary": ("llama", "ortopt", 0),  # ... and RotaryEmbedding
     "ortopt-gpt2": ("gpt2", "ortopt", 2),  # SkipLayerNormalization with the mlp bias folded in, FastGelu
@@ -49,7 +49,9 @@ class Builds:
     def hf(self, family):
         from graphs.make_fixtures import save_tiny
 
-        return self._once(("hf", family), lambda: save_tiny(family, self.root / f"hf-{family}", seed=5))
+        tied = family.endswith("-tied")
+        make = lambda: save_tiny(family.removesuffix("-tied"), self.root / f"hf-{family}", seed=5, **({"tie_word_embeddings": True} if tied else {}))  # noqa: E731
+        return self._once(("hf", family), make)
 
     def optimum(self, family):
         from surgery.export import export
@@ -102,6 +104,10 @@ def contrib_ops(path) -> collections.Counter:
 
 
 def test_found_tensors_equal_the_hooked_hf_model(deployed):
+    from surgery.facts import describe
+
+    facts = describe(deployed.folder)
+    assert (facts.n_layers, facts.d_model, facts.vocab) == (3, deployed.torch.config.hidden_size, 512)
     blocks = find_blocks(deployed.onnx)
     assert [b.form for b in blocks] == ["sequential"] * 3
     assert all(b.mlp_kind == ("plain" if deployed.torch.config.model_type == "gpt2" else "gated") for b in blocks)
