@@ -1,13 +1,15 @@
 """The diagnostics through a torch forward-hook implementation vs `surgery diagnose` on ONNX Runtime,
 on the same calibration windows of SmolLM2-135M: agreement and wall time.
 
-    python benchmarks/diagnose.py [--windows 4] [--seq-len 256]
+    python benchmarks/diagnose.py [--windows 4] [--seq-len 256] [--repeats 3]
+    python benchmarks/diagnose.py --losses [--windows 4] [--seq-len 256]   # the losses section alone, three ways
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 from common import smollm2, table
 
@@ -16,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from surgery import data
-from surgery.diagnostics import diagnose
+from surgery.diagnostics import diagnose, graphs
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
 from surgery.export import resolve_source
 
@@ -100,23 +102,63 @@ def torch_diagnostics(model, windows) -> dict:
     }
 
 
+def _all_losses(report) -> np.ndarray:
+    """Every loss of the losses section, base + dNLL, interval ends included, in one order."""
+    base, d, a = report["ablation"]["base_loss"], report["defect"], report["ablation"]
+    dnll = list(d["dnll_parallel"]) + [x for pair in d["dnll_parallel_interval"] for x in pair]
+    for key in ("per_layer", "per_layer_interval", "all_layers", "all_layers_interval", "all_layers_keep_sink", "all_layers_keep_sink_interval"):
+        dnll += list(np.ravel([a[key][b][m] for b in a[key] for m in a[key][b]]))
+    return base + np.array([0.0] + dnll)
+
+
+def losses_section(folder, windows: int, seq_len: int) -> None:
+    """Time diagnose's losses section (the 30 x 7 single-layer and 10 all-layer dNLLs of defect + ablation on the
+    evaluation windows) as it was (Where switches, every run a whole forward), with If switches only, and as it is
+    (If switches, each single-layer run starting at its block from the unchanged run's resid_pre); compare the numbers."""
+    board = graphs.switchboard
+    eager = mock.patch.object(graphs, "switchboard", lambda model, kinds, lazy: board(model, kinds, lazy=False))
+    whole = mock.patch.object(graphs, "resumable", lambda board, blocks: None)
+    ways = {"Where switches, whole forwards": [eager, whole], "If switches, whole forwards": [whole], "If switches, prefix reuse": []}
+    results = {}
+    for way, patches in ways.items():
+        for patch in patches:
+            patch.start()
+        results[way] = diagnose(folder, seq_len=seq_len, windows=1, eval_windows=windows, only=("defect", "ablation"))
+        for patch in patches:
+            patch.stop()
+    before = _all_losses(results["Where switches, whole forwards"])
+    rows = []
+    for way, report in results.items():
+        diff = np.abs(_all_losses(report) - before) / np.abs(before)
+        rows.append({"losses section": way, "seconds": f"{report['seconds']['losses']:.1f}", "max rel diff of the losses vs before": f"{diff.max():.1e}"})
+    print(f"SmolLM2-135M, {windows} evaluation windows x {seq_len} tokens, {torch.get_num_threads()} threads")
+    print(table(rows, list(rows[0])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--losses", action="store_true", help="time only the losses section, before and after prefix reuse")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved ORT / torch runs of the scores (medians)")
     args = parser.parse_args()
     folder = smollm2()
+    if args.losses:
+        losses_section(folder, args.windows, args.seq_len)
+        return
     windows = data.windows(folder, seq_len=args.seq_len, max_windows=args.windows, part="calibration")
-
-    # eval_windows only sizes the dNLL ground truth that "defect" also measures; it is not compared here.
-    report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, eval_windows=1, only=("deficit", "diversity", "defect", "gate"))
-    ort_seconds = report["seconds"]["probe"]  # the one pass that gives every score below
 
     src = resolve_source("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, attn_implementation="eager").eval()
-    start = time.perf_counter()
-    ref = torch_diagnostics(model, windows)
-    torch_seconds = time.perf_counter() - start
+    ort_seconds, torch_seconds = [], []
+    for _ in range(args.repeats):  # interleaved, so both see the same machine
+        # eval_windows only sizes the dNLL ground truth that "defect" also measures; it is not compared here.
+        report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, eval_windows=1, only=("deficit", "diversity", "defect", "gate"))
+        ort_seconds.append(report["seconds"]["probe"])  # the one pass that gives every score below, graph and session included
+        start = time.perf_counter()
+        ref = torch_diagnostics(model, windows)
+        torch_seconds.append(time.perf_counter() - start)
+    ort_s, torch_s = float(np.median(ort_seconds)), float(np.median(torch_seconds))
 
     ours = {
         "alignment": report["deficit"]["alignment"],
@@ -142,8 +184,8 @@ def main() -> None:
         })
     print(f"SmolLM2-135M, {len(windows)} calibration windows x {args.seq_len} tokens, {torch.get_num_threads()} threads")
     print(table(rows, list(rows[0])))
-    print(f"\nwall time, scores for all 30 layers: ORT probe pass {ort_seconds:.2f} s, torch hooks {torch_seconds:.2f} s "
-          f"(torch / ORT {torch_seconds / ort_seconds:.2f}x)")
+    print(f"\nwall time, scores for all 30 layers, median of {args.repeats} interleaved runs: ORT probe pass {ort_s:.2f} s "
+          f"(building the graph and session included), torch hooks {torch_s:.2f} s (torch / ORT {torch_s / ort_s:.2f}x)")
 
 
 if __name__ == "__main__":

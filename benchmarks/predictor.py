@@ -11,6 +11,9 @@ g the next normalisation's scale (the final norm's after the last block), token 
     c_token      E[|delta|^2 / |y|^2]                       per token, then averaged
     c_tangent    E[|P_y delta|^2 / |y|^2]                   only what moves the direction the next norm reads
     c_next       E[|g * P_y delta|^2 / |y|^2] / mean(g^2)   ... weighted by the next norm's scale
+    kl_linear    E[KL] to second order of logits moved by W_U (g_f * P_yL delta) sqrt(d) / |y_L|: delta carried
+                 to the final norm unchanged (later blocks as identity), through it and the LM head linearised
+                 (`--tokens` tokens of each window)
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from surgery.blocks import block_norms, find_blocks
 from surgery.diagnostics import diagnose, graphs
 from surgery.diagnostics.defect import spearman
 
-SCORES = ("c", "c_stream", "c_token", "c_tangent", "c_next")
+SCORES = ("c", "c_stream", "c_token", "c_tangent", "c_next", "kl_linear")
 
 
 def next_scales(model, blocks) -> list[np.ndarray]:
@@ -41,17 +44,35 @@ def next_scales(model, blocks) -> list[np.ndarray]:
     return scales
 
 
-def candidate_scores(path, windows) -> dict[str, list[float]]:
+def lm_head(logits) -> np.ndarray:
+    """The [d, vocab] weight of MatMul(final norm, W) producing the logits (W maybe Transpose(embedding): tied)."""
+    weight = logits.producer().inputs[1]
+    producer = weight.producer()
+    if producer is not None and producer.op_type == "Transpose":
+        return np.ascontiguousarray(producer.inputs[0].const_value.numpy().T, np.float32)
+    return weight.const_value.numpy().astype(np.float32)
+
+
+def candidate_scores(path, windows, tokens: int) -> dict[str, list[float]]:
     model = graph.load(path)
     blocks = find_blocks(model)
     g = next_scales(model, blocks)
+    head = lm_head(graph.values_by_name(model)["logits"])
     p = graphs.probe(model, tensors=("mlp_out", "resid_post"), twin=True)
     sess = runtime.session(p.model)
     names = [o.name for o in sess.get_outputs()]
     n = len(blocks)
-    sums = {k: np.zeros(n) for k in ("dd", "hh", "yy", "token", "tangent", "next", "count")}
+    sums = {k: np.zeros(n) for k in ("dd", "hh", "yy", "token", "tangent", "next", "count", "kl", "kl_count")}
+    rng = np.random.default_rng(0)
     for i in range(len(windows)):
         out = dict(zip(names, sess.run(None, runtime.feeds(sess, windows.ids[i : i + 1]))))
+        picks = np.sort(rng.choice(windows.ids.shape[1] - 1, size=min(tokens, windows.ids.shape[1] - 1), replace=False))
+        y_last = out[p.outputs[-1]["resid_post"]][0, 1:][picks].astype(np.float64)
+        unit_last = y_last / np.linalg.norm(y_last, axis=-1, keepdims=True)
+        gain = np.sqrt(y_last.shape[1]) / np.linalg.norm(y_last, axis=-1, keepdims=True)
+        logits = out["logits"][0, 1:][picks].astype(np.float64)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
         for layer, o in enumerate(p.outputs):
             h, x, y = (out[o[k]][0, 1:].astype(np.float64) for k in ("mlp_out", "mlp_out_on_pre", "resid_post"))
             delta = h - x
@@ -65,10 +86,15 @@ def candidate_scores(path, windows) -> dict[str, list[float]]:
             sums["tangent"][layer] += np.sum(np.sum(tangent**2, axis=-1) / y2)
             sums["next"][layer] += np.sum(np.sum((g[layer] * tangent) ** 2, axis=-1) / y2) / np.mean(g[layer] ** 2)
             sums["count"][layer] += len(y)
+            moved = delta[picks] - np.sum(delta[picks] * unit_last, axis=-1, keepdims=True) * unit_last
+            shift = ((g[-1] * moved * gain).astype(np.float32) @ head).astype(np.float64)  # [tokens, vocab]
+            mean = np.sum(probs * shift, axis=-1)
+            sums["kl"][layer] += 0.5 * np.sum(np.sum(probs * shift**2, axis=-1) - mean**2)
+            sums["kl_count"][layer] += len(picks)
     c = sums["count"]
     return {
         "c": list(sums["dd"] / sums["hh"]), "c_stream": list(sums["dd"] / sums["yy"]), "c_token": list(sums["token"] / c),
-        "c_tangent": list(sums["tangent"] / c), "c_next": list(sums["next"] / c),
+        "c_tangent": list(sums["tangent"] / c), "c_next": list(sums["next"] / c), "kl_linear": list(sums["kl"] / sums["kl_count"]),
     }
 
 
@@ -78,15 +104,18 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per window for kl_linear")
     args = parser.parse_args()
     path = args.model or smollm2()
     cal = data.windows(path, seq_len=args.seq_len, max_windows=args.windows, part="calibration")
-    scores = candidate_scores(path, cal)
+    scores = candidate_scores(path, cal, args.tokens)
     report = diagnose(path, seq_len=args.seq_len, windows=1, eval_windows=args.eval_windows, only=("defect",))
     dnll = report["defect"]["dnll_parallel"]
     rows = [{"score": k, "Spearman with dNLL_l": f"{spearman(scores[k], dnll):+.3f}"} for k in SCORES]
     print(f"{path}: {len(dnll)} layers, scores on {len(cal)} calibration windows, dNLL on {args.eval_windows} evaluation windows x {args.seq_len}")
     print(table(rows, list(rows[0])))
+    per_layer = [{"layer": str(l), "dNLL_l": f"{dnll[l]:+.4f}", **{k: f"{scores[k][l]:.3g}" for k in SCORES}} for l in range(len(dnll))]
+    print(table(per_layer, list(per_layer[0])))
 
 
 if __name__ == "__main__":

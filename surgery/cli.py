@@ -421,6 +421,8 @@ def diagnose(
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
     device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.")] = "auto",
+    workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery[ray]').")] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="Score the windows on the Ray cluster at ADDRESS (one actor per CPU).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
@@ -434,6 +436,7 @@ def diagnose(
         result = run(
             model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections,
             critical_seeds=critical_seeds, tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell,
+            workers=workers, ray=ray,
         )
     folder = report.write(result, report_dir)
     if as_json:

@@ -133,7 +133,7 @@ def _proto_without_big_weights(model: ir.Model, threshold: int = 1 << 20) -> tup
             continue
         moved[name] = tensor
         value.const_value = ir.ExternalTensor(
-            "surgery-in-memory", offset=0, length=tensor.nbytes, dtype=tensor.dtype, shape=tensor.shape, name=name, base_dir=""
+            _IN_MEMORY, offset=0, length=tensor.nbytes, dtype=tensor.dtype, shape=tensor.shape, name=name, base_dir=""
         )
     try:
         source = ir.to_proto(model).SerializeToString()
@@ -141,6 +141,39 @@ def _proto_without_big_weights(model: ir.Model, threshold: int = 1 << 20) -> tup
         for name, tensor in moved.items():
             model.graph.initializers[name].const_value = tensor
     return source, {name: np.ascontiguousarray(tensor.numpy()) for name, tensor in moved.items()}
+
+
+_IN_MEMORY = "surgery-in-memory"
+
+
+@dataclasses.dataclass(frozen=True)
+class Portable:
+    """A model in a form that pickles (for Ray actors): the serialized graph, its big in-memory weights
+    as arrays beside it, and the folder of its external data files (which every worker must see)."""
+
+    proto: bytes
+    arrays: dict[str, np.ndarray]
+    base: str | None
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "Portable":
+        base = next(iter(graph.external_data(model).values()), None)
+        proto, arrays = _proto_without_big_weights(model)
+        return cls(proto, arrays, None if base is None else str(base))
+
+    def load(self) -> ir.Model:
+        """The model again; the arrays become its weights without a copy."""
+        import onnx
+
+        model = ir.from_proto(onnx.ModelProto.FromString(self.proto))
+        for name, value in model.graph.initializers.items():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                value.const_value = (
+                    ir.tensor(self.arrays[name], name=name) if tensor.location == _IN_MEMORY
+                    else ir.ExternalTensor(tensor.location, tensor.offset, tensor.length, tensor.dtype, shape=tensor.shape, name=name, base_dir=self.base or "")
+                )
+        return model
 
 
 def on_cuda(sess: ort.InferenceSession) -> bool:

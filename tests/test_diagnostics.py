@@ -9,6 +9,7 @@ from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.diagnostics import diagnose, graphs, prefix
+from surgery.diagnostics.diagnose import _switch_losses
 from surgery.passes import parallelize, project
 
 runner = CliRunner()
@@ -55,6 +56,7 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tmp_path):
     windows = data.windows(folder, seq_len=24, max_windows=2, part="calibration")
     cosines = [[] for _ in range(3)]
     div = {k: [[] for _ in range(3)] for k in ("resid_pre", "resid_mid", "resid_post")}
+    rank = {k: [[] for _ in range(3)] for k in div}
     for row in windows.ids:
         _, blocks = block_tensors(reference, row[None])
         for layer, t in enumerate(blocks):
@@ -68,9 +70,12 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tmp_path):
                 v = v / np.linalg.norm(v, axis=1, keepdims=True)
                 n = len(v)
                 div[key][layer].append(1 - sum(v[i] @ v[j] for i in range(n) for j in range(n) if i != j) / (n * (n - 1)))
+                s = np.linalg.svd(v, compute_uv=False)
+                rank[key][layer].append(np.exp(-np.sum(s / s.sum() * np.log(s / s.sum()))))
     np.testing.assert_allclose(report["deficit"]["alignment"], [np.mean(c) for c in cosines], atol=2e-4)
     for point, key in (("pre", "resid_pre"), ("mid", "resid_mid"), ("post", "resid_post")):
         np.testing.assert_allclose(report["diversity"][point]["diversity"], [np.mean(d) for d in div[key]], atol=2e-4)
+        np.testing.assert_allclose(report["diversity"][point]["effective_rank"], [np.mean(r) for r in rank[key]], rtol=1e-4)
 
 
 def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
@@ -109,6 +114,48 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
                            (report["ablation"]["all_layers_interval"]["mlp"]["tangential"], project(model, "mlp", "tangential", {0, 1, 2}).model)]:
         d = evaluate.delta(scored, evaluate.perplexity(rewritten, windows))
         assert got == pytest.approx([d.low, d.high], abs=1e-5)
+
+
+def _losses(result: dict, kinds) -> np.ndarray:
+    """Every loss of a _switch_losses result, base + dNLL, interval ends included, in one order."""
+    dnll = [result[kind][layer] for kind in kinds for layer in result[kind]]
+    dnll += [end for kind in kinds for layer in result[kind] for end in result["interval"][kind][layer]]
+    return result["base"] + np.array([0.0] + dnll)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # optimum exports, llama's with a KV cache input
+def test_losses_resumed_after_unchanged_blocks_equal_whole_forward_passes(fixture_path, family, monkeypatch):
+    path = fixture_path(family)
+    model = graph.load(path)
+    blocks = find_blocks(model)
+    kinds = [("parallel",), ("mlp", "radial"), ("attn", "remove"), ("attn", "tangential", graphs.KEEP_SINK)]
+    windows = data.windows(path, seq_len=32, max_windows=2, part="evaluation")
+
+    def losses():
+        return _switch_losses(model, blocks, kinds, windows, runtime.Options(), lambda *_: None, all_only={kinds[-1]})
+
+    resumed = losses()
+    monkeypatch.setattr(graphs, "resumable", lambda board, blocks: None)  # no block skippable: every run a whole forward
+    whole = losses()
+    assert set(whole[("mlp", "radial")]) == {0, 1, 2, "all"}  # the first and the last block's edits among them
+    np.testing.assert_allclose(_losses(resumed, kinds), _losses(whole, kinds), rtol=1e-6)
+
+
+def test_resumed_run_reads_only_the_given_resid_pre(fixture_path):
+    path = fixture_path("llama")
+    model = graph.load(path)
+    blocks = find_blocks(model)
+    resume = graphs.resumable(model, blocks)
+    assert [n.op_type for n in resume.model.graph].count("If") == 2  # every block but the last can be skipped
+    scorer = evaluate.Scorer(resume.model, keep=resume.resid_post)
+    windows = data.windows(path, seq_len=32, max_windows=1, part="evaluation")
+    kept = {}
+    base = scorer(windows, extra=resume.inputs(0, {}), kept=kept)
+    assert base.loss == pytest.approx(evaluate.perplexity(model, windows).loss, rel=1e-6)
+    for start in (1, 2):
+        assert scorer(windows, extra=resume.inputs(start, kept)).loss == pytest.approx(base.loss, rel=1e-6)
+        moved = {name: 2 * value for name, value in kept.items()}
+        assert abs(scorer(windows, extra=resume.inputs(start, moved)).loss - base.loss) > 1e-3
 
 
 def test_parallel_blocks_report_defect_as_not_applicable(fixture_path):

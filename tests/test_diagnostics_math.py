@@ -68,3 +68,37 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, None, 3, 4, 5], [2, 9, 1, 3, 4]) == pytest.approx(np.corrcoef([0, 1, 2, 3], [1, 0, 2, 3])[0, 1])
     assert spearman([1, 2], [1, 2]) is None
+
+
+@pytest.mark.parametrize("tokens", [13, 6], ids=["d_gram", "token_gram"])
+def test_in_graph_statistics_equal_the_numpy_geometry(tokens):
+    """stats.py's ONNX reductions equal geometry.py / DefectStats on random block tensors, to float64 error."""
+    import onnx_ir as ir
+
+    from surgery import runtime
+    from surgery.diagnostics import stats
+    from surgery.diagnostics.defect import DefectStats
+    from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
+
+    rng = np.random.default_rng(4)
+    kinds = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "mlp_out_on_pre", "resid_post")
+    arrays = {k: (rng.standard_normal((1, tokens, 8)) + (3.0 if k.startswith("resid") else 0.0)).astype(np.float32) for k in kinds}
+    inputs = {k: ir.Value(name=k, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, "pos", 8])) for k in kinds}
+    nodes, out = stats.layer_stats(inputs, 0, token_gram=tokens - 1 <= 8)  # the smaller Gram, as diagnose picks
+    for v in out.values():
+        v.dtype = ir.DataType.DOUBLE
+    model = ir.Model(ir.Graph(list(inputs.values()), list(out.values()), nodes=nodes, opset_imports={"": 18}), ir_version=9)
+    sess = runtime.session(model)
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, arrays)))
+    t = {k: v[0, 1:] for k, v in arrays.items()}
+    n = len(t["resid_pre"])
+
+    np.testing.assert_allclose(got[stats.name(0, "align")][0], alignment(t["resid_pre"], t["attn_out"], t["resid_post"]).sum(), rtol=1e-12)
+    for point, key in stats.POINTS.items():
+        mpc = stats.mean_pairwise_cosine(got[stats.name(0, f"sum_u.{point}")][0], n)
+        np.testing.assert_allclose(mpc, mean_pairwise_cosine(t[key]), rtol=1e-10)
+        np.testing.assert_allclose(stats.effective_rank(got[stats.name(0, f"gram.{point}")][0]), effective_rank(t[key]), rtol=1e-10)
+    reference = DefectStats(1)
+    reference.update(0, t["mlp_out"], t["mlp_out_on_pre"], t["resid_post"])
+    np.testing.assert_allclose(got[stats.name(0, "defect")], reference.sums[0], rtol=1e-12)
+    np.testing.assert_allclose(got[stats.name(0, "field_norm")][0], np.linalg.norm(t["resid_mid"].astype(np.float64), axis=-1), rtol=1e-12)

@@ -1,8 +1,18 @@
-"""Critical points of a block's mlp field on the sphere: F(u) = P_u mlp(ln2(r u)).
+"""Critical points of a block's mlp field on the sphere: F(u) = P_u g(r u), g = mlp(ln2(.)).
 
-Zeros are found by damped Newton steps in the tangent space, from data seeds; at each zero the
-Jacobian of F restricted to the tangent space (central differences, one batched evaluation)
-decides the type: every eigenvalue's real part < 0 attractor, > 0 repeller, otherwise saddle.
+F vanishes where the mlp output is parallel to u, g(r u) = lambda u. Zeros are found by the field's own
+fixed-point iteration u <- unit(s g(r u)) from data seeds, once with s = +1 and once with s = -1, every
+run of a layer evaluated in one call per step. The iteration is an Euler step of du/dt = F(u) of length
+1/|lambda|, forward for s = +1, backward for s = -1; at a zero its tangent derivative is s M / |lambda|,
+where F's tangent Jacobian is M - lambda I. So it converges to the attractors (s = +1, lambda > 0) and
+the repellers (s = -1, lambda < 0) whose M has spectral radius below |lambda|, and never to a saddle.
+Newton / Levenberg-Marquardt from the same seeds, which could reach saddles, stalls on SmolLM2: on
+|F| it runs into regions where the whole mlp output vanishes, on |F| / |g| it needs ~50 full Jacobians
+per seed (benchmarks/RESULTS.md).
+
+At each distinct zero the Jacobian of F restricted to the tangent space (forward differences, all zeros
+in one evaluation) decides the type: every eigenvalue's real part < 0 attractor, > 0 repeller, otherwise
+saddle.
 """
 
 from __future__ import annotations
@@ -16,12 +26,13 @@ from surgery.diagnostics.geometry import tangential, unit
 
 KINDS = ("attractor", "saddle", "repeller")
 Field = Callable[[np.ndarray], np.ndarray]  # f: [N, d] -> [N, d], the mlp branch applied to points
+_TINY = 1e-30
 
 
 @dataclasses.dataclass(frozen=True)
 class CriticalPoint:
     kind: str
-    residual: float  # |F(u)| / median |F(seed)|
+    residual: float  # |F(u)| / |g(r u)|: sine of the angle between the mlp output and u
     max_real: float  # largest eigenvalue real part of the tangent Jacobian
     min_real: float
     unstable_dims: int  # eigenvalues with positive real part
@@ -30,8 +41,11 @@ class CriticalPoint:
 
 @dataclasses.dataclass(frozen=True)
 class Search:
-    seeds: int
-    points: tuple[CriticalPoint, ...]
+    seeds: int  # data seeds
+    tried: int  # fixed-point runs: two per seed
+    converged: int  # runs that ended with residual < tol
+    best_residual: float  # the smallest residual any run ended with
+    points: tuple[CriticalPoint, ...]  # the distinct zeros, classified
 
     def counts(self) -> dict[str, int]:
         return {k: sum(p.kind == k for p in self.points) for k in KINDS}
@@ -40,6 +54,28 @@ class Search:
 def tangent_field(f: Field, u: np.ndarray, r: float) -> np.ndarray:
     """F at unit points u [N, d]: the tangential part of f(r u)."""
     return tangential(f(r * u).astype(np.float64), u)
+
+
+def residuals(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """|P_u g| / |g| per row of g, u [N, d]: 0 exactly where the mlp output g is parallel to u."""
+    return np.linalg.norm(tangential(g, u), axis=-1) / np.maximum(np.linalg.norm(g, axis=-1), _TINY)
+
+
+def fixed_points(f: Field, seeds: np.ndarray, r: float, signs: np.ndarray, iterations: int, tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """Iterate u <- unit(sign f(r u)) from each unit seed [N, d] until its residual is below tol, at most
+    `iterations` steps; every unfinished run is evaluated in one call per step. Returns the last points
+    [N, d] and their residuals [N]."""
+    u, res = seeds.copy(), np.full(len(seeds), np.inf)
+    todo = np.arange(len(u))
+    for step in range(iterations + 1):
+        g = f(r * u[todo]).astype(np.float64)
+        res[todo] = residuals(g, u[todo])
+        going = res[todo] >= tol
+        todo, g = todo[going], g[going]
+        if step == iterations or not len(todo):
+            break
+        u[todo] = unit(signs[todo, None] * g)
+    return u, res
 
 
 def tangent_basis(u: np.ndarray) -> np.ndarray:
@@ -53,43 +89,40 @@ def tangent_basis(u: np.ndarray) -> np.ndarray:
     return h[:, 1:]
 
 
-def tangent_jacobian(f: Field, u: np.ndarray, r: float, eps: float = 1e-3) -> np.ndarray:
-    """(d-1) x (d-1) Jacobian of F at u in the tangent basis, by central differences along the sphere."""
-    q = tangent_basis(u)
-    steps = np.concatenate([unit(u + eps * q.T), unit(u - eps * q.T)])  # [2(d-1), d]
-    values = tangent_field(f, steps, r)
-    plus, minus = values[: q.shape[1]], values[q.shape[1] :]
-    return q.T @ ((plus - minus) / (2 * eps)).T
+def tangent_jacobians(f: Field, u: np.ndarray, r: float, eps: float = 1e-3) -> np.ndarray:
+    """[k, d-1, d-1] Jacobians of F at unit points u [k, d], each in its tangent basis, by forward differences
+    along the sphere: k d points in one evaluation."""
+    k, d = u.shape
+    q = np.stack([tangent_basis(p) for p in u])  # [k, d, d-1]
+    steps = unit(u[:, None] + eps * np.swapaxes(q, 1, 2))  # [k, d-1, d]: row j is u moved along basis vector j
+    values = tangent_field(f, np.concatenate([u, steps.reshape(-1, d)]), r)
+    difference = (values[k:].reshape(k, d - 1, d) - values[:k, None]) / eps  # [k, d-1, d]: row j is dF along basis vector j
+    return np.swapaxes(q, 1, 2) @ np.swapaxes(difference, 1, 2)
+
+
+def classify(jacobian: np.ndarray) -> tuple[str, float, float, int]:
+    """Kind, largest and smallest eigenvalue real part, and the number of positive ones, of a tangent Jacobian."""
+    real = np.linalg.eigvals(jacobian).real
+    kind = "attractor" if (real < 0).all() else "repeller" if (real > 0).all() else "saddle"
+    return kind, float(real.max()), float(real.min()), int((real > 0).sum())
 
 
 def find_critical_points(
-    f: Field, seeds: np.ndarray, r: float, *, iterations: int = 15, tol: float = 1e-3, eps: float = 1e-3
+    f: Field, seeds: np.ndarray, r: float, *, iterations: int = 300, tol: float = 1e-3, eps: float = 1e-3
 ) -> Search:
-    """Newton-search zeros of F from each seed direction; return the distinct ones, classified."""
+    """Run the fixed-point iteration with both signs from each seed direction [N, d]; return the distinct
+    zeros it reached (residual < tol; u and -u are different zeros), best first, classified."""
     seeds = unit(seeds.astype(np.float64))
-    scale = float(np.median(np.linalg.norm(tangent_field(f, seeds, r), axis=-1))) or 1.0
-    found: list[CriticalPoint] = []
-    for seed in seeds:
-        u = seed
-        residual = np.linalg.norm(tangent_field(f, u[None], r)[0]) / scale
-        for _ in range(iterations):
-            if residual < tol:
-                break
-            q = tangent_basis(u)
-            jac = tangent_jacobian(f, u, r, eps)
-            step = np.linalg.lstsq(jac, -(q.T @ tangent_field(f, u[None], r)[0]), rcond=None)[0]
-            for _ in range(6):  # backtrack until |F| drops
-                trial = unit(u + q @ step)
-                trial_residual = np.linalg.norm(tangent_field(f, trial[None], r)[0]) / scale
-                if trial_residual < residual:
-                    break
-                step = step / 2
-            else:
-                break
-            u, residual = trial, trial_residual
-        if residual >= tol or any(np.dot(u, p.direction) > 0.999 for p in found):
-            continue
-        real = np.linalg.eigvals(tangent_jacobian(f, u, r, eps)).real
-        kind = "attractor" if (real < 0).all() else "repeller" if (real > 0).all() else "saddle"
-        found.append(CriticalPoint(kind, float(residual), float(real.max()), float(real.min()), int((real > 0).sum()), tuple(u)))
-    return Search(len(seeds), tuple(found))
+    starts = np.concatenate([seeds, seeds])
+    signs = np.repeat([1.0, -1.0], len(seeds))
+    u, res = fixed_points(f, starts, r, signs, iterations, tol)
+    distinct: list[int] = []
+    for i in np.argsort(res):
+        if res[i] < tol and all(u[i] @ u[j] < 0.999 for j in distinct):
+            distinct.append(i)
+    points = []
+    if distinct:
+        for i, jacobian in zip(distinct, tangent_jacobians(f, u[distinct], r, eps)):
+            kind, max_real, min_real, unstable = classify(jacobian)
+            points.append(CriticalPoint(kind, float(res[i]), max_real, min_real, unstable, tuple(u[i])))
+    return Search(len(seeds), len(starts), int((res < tol).sum()), float(res.min()), tuple(points))

@@ -23,6 +23,11 @@ class DefectStats:
         self.sums[layer] += [np.sum((h - x) ** 2), np.sum(h**2), np.sum(y**2), np.sum(h * x), np.sum(x**2)]
         self.seen[layer] = True
 
+    def add(self, layer: int, sums: np.ndarray) -> None:
+        """Add the five sums of `update` computed elsewhere (in the probe graph)."""
+        self.sums[layer] += sums
+        self.seen[layer] = True
+
     def result(self) -> dict[str, list[float | None]]:
         def column(num, den):
             return [float(s[num] / s[den]) if seen else None for s, seen in zip(self.sums, self.seen)]

@@ -7,19 +7,22 @@ evaluation windows. Nothing holds more than one window's activations.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from surgery import __version__, data, evaluate, graph, runtime
+from surgery import __version__, cluster, data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.diagnostics import critical as crit
-from surgery.diagnostics import graphs, prefix
+from surgery.diagnostics import graphs, prefix, stats
 from surgery.diagnostics.defect import DefectStats, spearman
-from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine, unit
+from surgery.diagnostics.geometry import unit
 from surgery.errors import SurgeryError
+from surgery.passes.common import narrower_than_float32
+from surgery.facts import embedding_table
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 ABLATION_MODES = ("tangential", "radial", "remove")
@@ -27,7 +30,15 @@ SINK_MODES = ("tangential", "radial")  # also measured with position 0 keeping i
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
-def diagnose(
+def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | None = None, **kwargs) -> dict:
+    """Run the selected diagnostics (keyword arguments: see _diagnose); return a JSON-ready report (see
+    surgery/report.schema.json). workers / ray: score the windows on a local Ray cluster of that many CPUs /
+    on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run."""
+    with cluster.pool(workers, ray) as pool:
+        return _diagnose(model_path, pool=pool, **kwargs)
+
+
+def _diagnose(
     model_path: str | Path,
     *,
     corpus: str | Path | None = None,
@@ -40,8 +51,8 @@ def diagnose(
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
     seed: int = 0,
+    pool: cluster.Pool = cluster.Pool(),
 ) -> dict:
-    """Run the selected diagnostics; return a JSON-ready report (see surgery/report.schema.json)."""
     unknown = set(only) - set(SECTIONS)
     if unknown:
         raise SurgeryError(f"unknown diagnostic {', '.join(sorted(unknown))}; choose from {','.join(SECTIONS)}")
@@ -63,22 +74,22 @@ def diagnose(
     if set(only) & {"deficit", "diversity", "defect", "gate", "critical"}:
         start = time.perf_counter()
         twin = bool(set(only) & {"defect", "gate"})
-        stats = _stream_probe(graphs.probe(model, twin=twin), cal, options, n, tell)
+        probed = _stream_probe(graphs.probe(model, twin=twin), cal, options, n, tell, pool)
         report["seconds"]["probe"] = time.perf_counter() - start
         if "deficit" in only:
-            a = [s / c for s, c in zip(stats["align_sum"], stats["align_count"])]
+            a = [s / c for s, c in zip(probed["align_sum"], probed["align_count"])]
             report["deficit"] = {"alignment": a, "deficit": [1 - x for x in a], "mean": float(np.mean([1 - x for x in a]))}
         if "diversity" in only:
-            report["diversity"] = _diversity(stats["diversity"], blocks)
+            report["diversity"] = _diversity(probed["diversity"], blocks)
         if "defect" in only or "gate" in only:
-            result = stats["defect"].result()
+            result = probed["defect"].result()
             if "defect" in only:
                 report["defect"] = {"c": result["c"], "c_stream": result["c_stream"]}
             if "gate" in only:
                 report["gate"] = {"alpha": result["alpha"]}
         if "critical" in only:
             start = time.perf_counter()
-            report["critical"] = _critical(model, blocks, stats, critical_seeds, options, tell)
+            report["critical"] = _critical(model, blocks, probed, critical_seeds, options, tell)
             report["seconds"]["critical"] = time.perf_counter() - start
 
     if "prefix" in only:
@@ -130,33 +141,60 @@ def diagnose(
     return report
 
 
-def _stream_probe(p: graphs.Probe, windows: data.Windows, options, n: int, tell) -> dict:
-    """One pass over the windows through the probe graph, keeping only running sums and small samples."""
-    sess = runtime.session(p.model, options)
-    names = [o.name for o in sess.get_outputs()]
-    stats = {
+class ProbeWindows:
+    """The probe graph's session, reducing one window at a time to per-layer numbers (here or on a Ray actor).
+
+    ONNX Runtime reduces each block's tensors to per-layer sums in the graph (stats.py); only those, the
+    Gram matrices (whose eigenvalues give the effective ranks here) and, from the first window, the mlp
+    field's seeds leave the session."""
+
+    def __init__(self, model, taps: list[dict[str, str]], seeds: list[str], options: runtime.Options):
+        self.session, self.taps, self.seeds = runtime.session(model, options), taps, seeds
+
+    def window(self, ids: np.ndarray, with_seeds: bool) -> dict:
+        wanted = [name for names in self.taps for name in names.values()] + (self.seeds if with_seeds else [])
+        out = dict(zip(wanted, self.session.run(wanted, runtime.feeds(self.session, ids))))
+        tokens = ids.shape[1] - 1  # token 0 (the attention sink) left out
+        grams = {(layer, k): out[names[k]][0] for layer, names in enumerate(self.taps) for k in names if k.startswith("gram.")}
+        ranks = dict(zip(grams, stats.effective_rank(np.stack(list(grams.values())))))
+        return {
+            "tokens": tokens,
+            "align": [float(out[names["align"]][0]) for names in self.taps],
+            "diversity": [
+                {tensor: (1 - stats.mean_pairwise_cosine(out[names[f"sum_u.{point}"]][0], tokens), float(ranks[(layer, f"gram.{point}")]))
+                 for point, tensor in stats.POINTS.items() if f"gram.{point}" in names}
+                for layer, names in enumerate(self.taps)
+            ],
+            "defect": [out[names["defect"]] if "defect" in names else None for names in self.taps],
+            "norms": [out[names["field_norm"]][0] for names in self.taps],
+            "seeds": [out[name][0, 1:] for name in self.seeds] if with_seeds else None,
+        }
+
+
+def _stream_probe(p: graphs.Probe, windows: data.Windows, options, n: int, tell, workers: cluster.Pool = cluster.Pool()) -> dict:
+    """One pass over the windows through the probe graph (spread over Ray actors when `workers` has them),
+    the per-window numbers reduced here in window order."""
+    taps = stats.add_to(p.model, p.outputs, windows.seq_len - 1, embedding_table(p.model)[1])
+    seeds = [o.get("resid_mid", o["resid_pre"]) for o in p.outputs]  # the field's input: ln2 reads it
+    make = functools.partial(ProbeWindows, taps=taps, seeds=seeds, options=workers.options(options))
+    actors = workers.actors(p.model, make)
+    result = {
         "align_sum": np.zeros(n), "align_count": np.zeros(n), "diversity": [],
         "defect": DefectStats(n), "norms": [[] for _ in range(n)], "seeds": [None] * n,
     }
-    for i in range(len(windows)):
-        out = dict(zip(names, sess.run(None, runtime.feeds(sess, windows.ids[i : i + 1]))))
-        per_window = []
-        for layer, o in enumerate(p.outputs):
-            t = {k: out[v][0, 1:] for k, v in o.items()}  # [pos, d_model], token 0 (the attention sink) left out
-            x, y = t["resid_pre"], t["resid_post"]
-            cos = alignment(x, t["attn_out"], y)
-            stats["align_sum"][layer] += cos.sum()
-            stats["align_count"][layer] += len(cos)
-            per_window.append({k: (1 - mean_pairwise_cosine(t[k]), effective_rank(t[k])) for k in ("resid_pre", "resid_mid", "resid_post") if k in t})
-            if "mlp_out_on_pre" in t:
-                stats["defect"].update(layer, t["mlp_out"], t["mlp_out_on_pre"], y)
-            field_in = t["resid_mid"] if "resid_mid" in t else x
-            stats["norms"][layer].append(np.linalg.norm(field_in.astype(np.float64), axis=-1))
-            if stats["seeds"][layer] is None:
-                stats["seeds"][layer] = field_in
-        stats["diversity"].append(per_window)
+    jobs = [(windows.ids[i : i + 1], i == 0) for i in range(len(windows))]
+    for i, w in enumerate(actors.map("window", jobs)):
+        for layer in range(n):
+            result["align_sum"][layer] += w["align"][layer]
+            result["align_count"][layer] += w["tokens"]
+            if w["defect"][layer] is not None:
+                result["defect"].add(layer, w["defect"][layer])
+            result["norms"][layer].append(w["norms"][layer])
+        if w["seeds"] is not None:
+            result["seeds"] = w["seeds"]
+        result["diversity"].append(w["diversity"])
         tell("probe", i + 1, len(windows))
-    return stats
+    return result
 
 
 def _diversity(samples: list[list[dict]], blocks) -> dict:
@@ -178,13 +216,14 @@ def _diversity(samples: list[list[dict]], blocks) -> dict:
 
 
 def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
+    """Zeros of each layer's mlp field from n_seeds data seeds (tokens spread over the first calibration window)."""
     layers = []
     for block in blocks:
         sess = runtime.session(graphs.field(model, block), options)
         dtype = np.float16 if "float16" in sess.get_inputs()[0].type else np.float32
 
-        def f(z, sess=sess):
-            return sess.run(None, {graphs.FIELD_IN: z[None].astype(dtype)})[0][0]
+        def f(z, sess=sess):  # points as a batch of one-token sequences [N, 1, d_model]: faster than [1, N, d_model]
+            return sess.run(None, {graphs.FIELD_IN: z[:, None].astype(dtype)})[0][:, 0]
 
         r = float(np.median(np.concatenate(stats["norms"][block.layer])))
         pool = stats["seeds"][block.layer]
@@ -194,6 +233,9 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
             {
                 "layer": block.layer,
                 "r": r,
+                "tried": search.tried,
+                "converged": search.converged,
+                "best_residual": search.best_residual,
                 "counts": search.counts(),
                 "points": [
                     {"kind": p.kind, "residual": p.residual, "max_real": p.max_real, "min_real": p.min_real, "unstable_dims": p.unstable_dims}
@@ -211,12 +253,13 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     bootstrap [low, high] over the windows.
 
     Window by window: the run with every switch off keeps each block's resid_post, and a run with a kind on at
-    block l alone starts there from block l - 1's (blocks < l compute what that run did). Where some block cannot
-    be skipped (graphs.resumable gives None) every run is a whole forward pass.
+    block l alone starts there from block l - 1's (blocks < l would compute what that run did). In float16, or
+    where some block cannot be skipped (graphs.resumable gives None), every run is a whole forward pass.
     """
     n = len(blocks)
-    board = graphs.switchboard(model, kinds)
-    resume = graphs.resumable(board)
+    lazy = not narrower_than_float32(graph.stream_dtype(model).numpy())  # If boundaries round float16 on CPU
+    board = graphs.switchboard(model, kinds, lazy=lazy)
+    resume = graphs.resumable(board, blocks) if lazy else None
     scorer = evaluate.Scorer(board if resume is None else resume.model, options, keep=resume.resid_post if resume else ())
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
     jobs += [(kind, "all") for kind in kinds if kind != ("parallel",)]
@@ -225,10 +268,11 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     for i in range(len(windows)):
         window, kept = windows.take([i]), {}
         for done, (kind, layer) in enumerate(runs, 1):
-            on = {} if kind == "base" else {kind: set(range(n)) if layer == "all" else {layer}}
+            single = isinstance(layer, int)
+            on = {} if kind == "base" else {kind: {layer} if single else set(range(n))}
             extra = {graphs.SWITCHES: graphs.switches(kinds, n, on)}
-            if resume is not None:
-                extra |= resume.inputs(layer if isinstance(layer, int) else 0, kept)
+            if resume is not None:  # a single-layer run starts at its block, the others at block 0
+                extra |= resume.inputs(layer if single else 0, kept)
             parts[(kind, layer)].append(scorer(window, extra=extra, kept=kept if kind == "base" else None))
             tell("losses", i * len(runs) + done, len(windows) * len(runs))
     base = evaluate.joined(parts[("base", None)])

@@ -1,0 +1,118 @@
+"""Where the windows are scored: in this process, or on Ray actors that each hold one ONNX Runtime session.
+
+    with cluster.pool(workers=2) as pool:            # a local Ray cluster of 2 CPUs, started and stopped here
+    with cluster.pool(address="HOST:6379") as pool:  # an existing Ray cluster, left running
+    with cluster.pool() as pool:                     # no Ray: this process
+        actors = pool.actors(model, make)            # each actor builds make(model) once (a session, a Scorer)
+        for result in actors.map("run", [args, ...]):  # getattr(obj, "run")(*args) per job, in job order
+
+The driver reduces the results, in job order, so a sum over windows adds the same numbers in the same
+order whichever way they were computed. Ray is optional: `pip install 'surgery[ray]'`. Each actor takes one
+CPU and runs its session with one intra-op thread; a model's external data files must be on a path every
+worker can read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import onnx_ir as ir
+
+from surgery import runtime
+from surgery.errors import SurgeryError
+
+
+class Local:
+    """One object in this process; `map` calls it job by job."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def map(self, method: str, jobs: Sequence[tuple]) -> Iterator:
+        return (getattr(self.obj, method)(*args) for args in jobs)
+
+
+class Remote:
+    """Ray actors each holding one object; `map` spreads the jobs over them and returns results in job order."""
+
+    def __init__(self, actors: list):
+        import ray.util
+
+        self._pool = ray.util.ActorPool(actors)
+
+    def map(self, method: str, jobs: Sequence[tuple]) -> Iterator:
+        return self._pool.map(lambda actor, args: actor.call.remote(method, args), list(jobs))
+
+
+@dataclasses.dataclass
+class Pool:
+    """What `pool()` yields: `workers` Ray actors per `actors` call, or this process when workers is 0."""
+
+    workers: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.workers > 0
+
+    def options(self, options: runtime.Options) -> runtime.Options:
+        """Session options for the objects `make` builds: one intra-op thread per actor on Ray."""
+        return dataclasses.replace(options, threads=1) if self.distributed else options
+
+    def actors(self, model: ir.Model, make: Callable[[ir.Model], Any]) -> Local | Remote:
+        """Objects built by `make(model)` (a picklable function: a module-level one or a functools.partial)."""
+        if not self.distributed:
+            return Local(make(model))
+        import ray
+
+        portable = ray.put(runtime.Portable.of(model))
+        return Remote([_holder().remote(portable, make) for _ in range(self.workers)])
+
+
+@contextlib.contextmanager
+def pool(workers: int | None = None, address: str | None = None) -> Iterator[Pool]:
+    """A Pool over a local Ray cluster of `workers` CPUs (started and stopped here), over the Ray cluster at
+    `address` (as many actors as it has CPUs), or, with neither, this process."""
+    if not workers and not address:
+        yield Pool()
+        return
+    if workers is not None and workers < 1:
+        raise SurgeryError(f"--workers {workers}: give 1 or more Ray workers, or leave it out to run in this process")
+    try:
+        import ray
+    except ImportError:
+        raise SurgeryError("--workers and --ray need Ray; run `pip install 'surgery[ray]'`") from None
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise SurgeryError(f"cannot start Ray ({str(e).splitlines()[0] if str(e) else type(e).__name__}); check --ray ADDRESS") from None
+    try:
+        yield Pool(workers or max(1, int(ray.cluster_resources().get("CPU", 1))))
+    finally:
+        ray.shutdown()
+
+
+_HOLDER = None
+
+
+def _holder():
+    """The Ray actor class, made on first use (importing ray is slow, and optional)."""
+    global _HOLDER
+    if _HOLDER is None:
+        import ray
+
+        @ray.remote(num_cpus=1)
+        class Holder:
+            def __init__(self, portable: runtime.Portable, make):
+                self.obj = make(portable.load())
+
+            def call(self, method: str, args: tuple):
+                return getattr(self.obj, method)(*args)
+
+        _HOLDER = Holder
+    return _HOLDER

@@ -1,0 +1,43 @@
+"""Scoring on Ray actors gives the numbers of the in-process run."""
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from surgery import runtime
+from surgery.cli import app
+from surgery.diagnostics import diagnose
+
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
+
+
+def _leaves(x, path=""):
+    """(path, number) of every number in a report, its timings left out."""
+    if isinstance(x, dict):
+        for key, value in x.items():
+            if key != "seconds":
+                yield from _leaves(value, f"{path}/{key}")
+    elif isinstance(x, (list, tuple)):
+        for i, value in enumerate(x):
+            yield from _leaves(value, f"{path}/{i}")
+    elif isinstance(x, float):
+        yield path, x
+
+
+def test_diagnose_on_a_local_2_cpu_ray_cluster_equals_the_in_process_run(fixture_path):
+    pytest.importorskip("ray")
+    kwargs = dict(seq_len=32, windows=3, eval_windows=3, only=("deficit", "diversity", "defect", "gate", "ablation"))
+    here = dict(_leaves(diagnose(fixture_path("llama"), options=runtime.Options(threads=1), **kwargs)))
+    there = dict(_leaves(diagnose(fixture_path("llama"), workers=2, **kwargs)))
+    assert there.keys() == here.keys() and len(here) > 100
+    for path, value in here.items():
+        assert there[path] == pytest.approx(value, rel=1e-9, abs=1e-12), path
+
+
+def test_workers_without_ray_is_one_line(fixture_path, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    result = CliRunner().invoke(app, ["diagnose", str(fixture_path("llama")), "-o", str(tmp_path / "r"), "--workers", "2"])
+    assert result.exit_code == 1
+    assert result.output.strip() == "error: --workers and --ray need Ray; run `pip install 'surgery[ray]'`"
+    assert not (tmp_path / "r").exists()
