@@ -222,6 +222,8 @@ def parallelize(
     repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 20,
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="auto: score the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery[ray]').")] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="auto: score the selection trials on the Ray cluster at ADDRESS.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
@@ -231,6 +233,8 @@ def parallelize(
     if calibrate and compensate is False:
         raise SurgeryError("--calibrate is a form of compensation (the scalar gate); drop --no-compensate or --calibrate")
     explicit = layers.strip().lower() != "auto"
+    if explicit and (workers or ray):
+        raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
     fit = "gate" if calibrate else ("full" if (compensate if compensate is not None else not explicit) else None)
     options = runtime.Options(threads=threads)
     if explicit:
@@ -247,7 +251,7 @@ def parallelize(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
             fit=fit, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
-            tokenizer=tokenizer, options=options, progress=tell,
+            tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray,
         )
     if as_json:
         print(json.dumps({"out": str(written), **outcome.to_json()}, indent=2))

@@ -4,7 +4,7 @@
     with cluster.pool(address="HOST:6379") as pool:  # an existing Ray cluster, left running
     with cluster.pool() as pool:                     # no Ray: this process
         actors = pool.actors(model, make)            # each actor builds make(model) once (a session, a Scorer)
-        for result in actors.map("run", [args, ...]):  # getattr(obj, "run")(*args) per job, in job order
+        for result in actors.map("run", [args, ...], **common):  # obj.run(*args, **common) per job, in job order
 
 The driver reduces the results, in job order, so a sum over windows adds the same numbers in the same
 order whichever way they were computed. Ray is optional: `pip install 'surgery[ray]'`. Each actor takes one
@@ -31,8 +31,8 @@ class Local:
     def __init__(self, obj: Any):
         self.obj = obj
 
-    def map(self, method: str, jobs: Sequence[tuple]) -> Iterator:
-        return (getattr(self.obj, method)(*args) for args in jobs)
+    def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
+        return (getattr(self.obj, method)(*args, **common) for args in jobs)
 
 
 class Remote:
@@ -43,8 +43,8 @@ class Remote:
 
         self._pool = ray.util.ActorPool(actors)
 
-    def map(self, method: str, jobs: Sequence[tuple]) -> Iterator:
-        return self._pool.map(lambda actor, args: actor.call.remote(method, args), list(jobs))
+    def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
+        return self._pool.map(lambda actor, args: actor.call.remote(method, args, common), list(jobs))
 
 
 @dataclasses.dataclass
@@ -111,8 +111,8 @@ def _holder():
             def __init__(self, portable: runtime.Portable, make):
                 self.obj = make(portable.load())
 
-            def call(self, method: str, args: tuple):
-                return getattr(self.obj, method)(*args)
+            def call(self, method: str, args: tuple, common: dict):
+                return getattr(self.obj, method)(*args, **common)
 
         _HOLDER = Holder
     return _HOLDER

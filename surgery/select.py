@@ -16,6 +16,7 @@ All trials run in one switchboard session; a refit builds a second one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import compensation, data, evaluate, graph, runtime
+from surgery import cluster, compensation, data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.compensation import KINDS, Fit
 from surgery.data import Windows
@@ -93,6 +94,13 @@ class Selection:
         }
 
 
+BATCH = 4  # selection windows scored together: one job for a Ray actor
+
+
+def _scorers(pool: cluster.Pool, board: ir.Model, options: runtime.Options):
+    return pool.actors(board, functools.partial(evaluate.Scorer, options=pool.options(options)))
+
+
 def select_layers(
     model: ir.Model,
     windows: Windows,
@@ -108,9 +116,11 @@ def select_layers(
     refit: bool = False,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
+    pool: cluster.Pool = cluster.Pool(),
 ) -> Selection:
     """Greedy selection of blocks to parallelize (see the module docstring). `windows` are the
-    selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted."""
+    selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted.
+    pool: where each trial's batches of selection windows are scored (Ray actors, or this process)."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
         raise SurgeryError(f"unknown score {score!r}; use one of {', '.join(SCORES)}")
@@ -142,14 +152,16 @@ def select_layers(
     ]
     candidates.sort(key=lambda layer: stats[score][layer])
     fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-    scorer = evaluate.Scorer(graphs.switchboard(model, KINDS, fixes), options)
+    scorers = _scorers(pool, graphs.switchboard(model, KINDS, fixes), options)
     passes = 0
 
-    def loss(forms: dict[int, str], scorer=scorer) -> evaluate.Perplexity:
+    def loss(forms: dict[int, str], scorers=scorers) -> evaluate.Perplexity:
         nonlocal passes
         passes += 1
         on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
-        return scorer(windows, batch_size=4, extra={graphs.SWITCHES: graphs.switches(KINDS, n, on)})
+        extra = {graphs.SWITCHES: graphs.switches(KINDS, n, on)}
+        batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
+        return evaluate.joined(list(scorers.map("__call__", [(batch,) for batch in batches], batch_size=BATCH, extra=extra)))
 
     base = loss({})
     chosen: dict[int, str] = {}
@@ -182,7 +194,7 @@ def select_layers(
                                  progress=lambda d, t: tell("refit (one pass)", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
-        result = loss(chosen, evaluate.Scorer(graphs.switchboard(model, KINDS, new_fixes), options))
+        result = loss(chosen, _scorers(pool, graphs.switchboard(model, KINDS, new_fixes), options))
         d = evaluate.delta(base, result)
         kept = d.dnll < current.dnll
         refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(), "kept": kept}
@@ -284,8 +296,12 @@ def auto(
     tokenizer=None,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
+    workers: int | None = None,
+    ray: str | None = None,
 ) -> tuple[Outcome, Path]:
     """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path.
+    workers / ray: the selection's trials are scored on a local Ray cluster of that many CPUs / on the Ray
+    cluster at that address (the fit pass and the evaluation stay in this process).
 
     Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
     dNLL checks); the reported dNLL is on the disjoint evaluation windows.
@@ -300,10 +316,12 @@ def auto(
     else:
         fit_part, sel = None, get("calibration", windows)
     ev = get("evaluation", eval_windows)
-    selection = select_layers(
-        model, sel, fit_windows=fit_part, fit=fit, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers,
-        protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
-    )
+    with cluster.pool(workers, ray) as pool:
+        selection = select_layers(
+            model, sel, fit_windows=fit_part, fit=fit, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers,
+            protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
+            pool=pool,
+        )
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
     base = evaluate.perplexity(model, ev, options=options, progress=lambda n: tell("evaluation windows", n, 2 * len(ev)))

@@ -41,3 +41,17 @@ def test_workers_without_ray_is_one_line(fixture_path, tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert result.output.strip() == "error: --workers and --ray need Ray; run `pip install 'surgery[ray]'`"
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_auto_selection_on_ray_actors_equals_the_in_process_run(fixture_path, tmp_path):
+    pytest.importorskip("ray")
+    from surgery import select
+
+    kwargs = dict(seq_len=32, fit_windows=4, windows=8, eval_windows=2, measure_latency=False, max_loss_increase=1.0)
+    here, _ = select.auto(fixture_path("llama"), tmp_path / "here", options=runtime.Options(threads=1), **kwargs)
+    there, _ = select.auto(fixture_path("llama"), tmp_path / "there", workers=2, **kwargs)
+    assert there.selection.layers == here.selection.layers and len(here.selection.trials) >= 3
+    for a, b in zip(here.selection.trials, there.selection.trials):
+        assert (a.layer, a.form, a.kept) == (b.layer, b.form, b.kept)
+        assert b.dnll == pytest.approx(a.dnll, rel=1e-9, abs=1e-12)
