@@ -1,6 +1,6 @@
 """One-pass predictors of the single-layer parallel dNLL: Spearman of each candidate score with the measured dNLL_l.
 
-    python benchmarks/predictor.py [--windows 4] [--eval-windows 4] [--seq-len 256] [--model out/smollm2]
+    python benchmarks/predictor.py [--windows 4] [--eval-windows 4] [--seq-len 256] [--model out/smollm2] [--split]
 
 Scores come from the calibration windows (one probe pass), dNLL_l from the disjoint evaluation windows
 (diagnose's switchboard). With delta = mlp(ln2 h) - mlp(ln2 x), y = resid_post, P_y the projection off y,
@@ -98,6 +98,24 @@ def candidate_scores(path, windows, tokens: int) -> dict[str, list[float]]:
     }
 
 
+def split_dnll(path, windows) -> tuple[list[float], list[float]]:
+    """Single-layer parallel dNLL_l on the first and on the second half of `windows`, from one switchboard session."""
+    from surgery import evaluate
+
+    model = graph.load(path)
+    n = len(find_blocks(model))
+    kinds = [("parallel",)]
+    scorer = evaluate.Scorer(graphs.switchboard(model, kinds))
+    runs = [scorer(windows, extra={graphs.SWITCHES: graphs.switches(kinds, n, on)}) for on in [{}] + [{kinds[0]: {l}} for l in range(n)]]
+    half = len(windows) // 2
+
+    def dnll(run, part):
+        return sum(run.window_nll[part]) / sum(run.window_tokens[part]) - sum(runs[0].window_nll[part]) / sum(runs[0].window_tokens[part])
+
+    first, second = slice(0, half), slice(half, None)
+    return [dnll(r, first) for r in runs[1:]], [dnll(r, second) for r in runs[1:]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=4)
@@ -105,10 +123,18 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per window for kl_linear")
+    parser.add_argument("--split", action="store_true", help="dNLL_l on two disjoint sets of --eval-windows windows: the noise ceiling")
     args = parser.parse_args()
     path = args.model or smollm2()
     cal = data.windows(path, seq_len=args.seq_len, max_windows=args.windows, part="calibration")
     scores = candidate_scores(path, cal, args.tokens)
+    if args.split:  # how well dNLL_l on one set of evaluation windows ranks dNLL_l on another: the ceiling for any score
+        ev = data.windows(path, seq_len=args.seq_len, max_windows=2 * args.eval_windows, part="evaluation")
+        a, b = split_dnll(path, ev)
+        rows = [{"ranking": "dNLL_l, windows 1-4 vs 5-8", "Spearman": f"{spearman(a, b):+.3f}"}]
+        rows += [{"ranking": f"{k} vs dNLL_l on windows {w}", "Spearman": f"{spearman(scores[k], d):+.3f}"} for k in SCORES for w, d in (("1-4", a), ("5-8", b))]
+        print(table(rows, list(rows[0])))
+        return
     report = diagnose(path, seq_len=args.seq_len, windows=1, eval_windows=args.eval_windows, only=("defect",))
     dnll = report["defect"]["dnll_parallel"]
     rows = [{"score": k, "Spearman with dNLL_l": f"{spearman(scores[k], dnll):+.3f}"} for k in SCORES]
