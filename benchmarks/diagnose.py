@@ -3,6 +3,7 @@ on the same calibration windows of SmolLM2-135M: agreement and wall time.
 
     python benchmarks/diagnose.py [--windows 4] [--seq-len 256] [--repeats 3]
     python benchmarks/diagnose.py --losses [--windows 4] [--seq-len 256]   # the losses section alone, three ways
+    python benchmarks/diagnose.py --critical [--critical-seeds 4] [--newton-layers 5,20,29]   # critical points per layer
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from common import smollm2, table
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 from transformers import AutoModelForCausalLM
 
-from surgery import data
+from surgery import data, graph, runtime
+from surgery.blocks import find_blocks
 from surgery.diagnostics import diagnose, graphs
-from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
+from surgery.diagnostics.critical import tangent_basis
+from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine, tangential, unit
 from surgery.export import resolve_source
 
 
@@ -135,16 +139,122 @@ def losses_section(folder, windows: int, seq_len: int) -> None:
     print(table(rows, list(rows[0])))
 
 
+def critical_rows(report: dict) -> list[dict]:
+    """One row per layer of diagnose's critical points: converged seeds, best residual, kinds, spectrum range."""
+    rows = []
+    for layer in report["critical"]["layers"]:
+        points = layer["points"]
+        rows.append({
+            "layer": layer["layer"],
+            "converged": f"{layer['converged']} / {report['critical']['seeds']}",
+            "best residual": f"{layer['best_residual']:.1e}",
+            **{kind: layer["counts"][kind] for kind in ("attractor", "saddle", "repeller")},
+            "eigenvalue real parts": f"{min(p['min_real'] for p in points):.0f} .. {max(p['max_real'] for p in points):.0f}" if points else "-",
+        })
+    return rows
+
+
+def levenberg_marquardt(f, u: np.ndarray, r: float, normalized: bool, iterations: int = 30, tol: float = 1e-3) -> tuple[np.ndarray, int]:
+    """LM on the tangent residual R(u) = P_u g(r u) (or P_u g / |g| when normalized) from unit u: forward-difference
+    Jacobian in the tangent basis, damping mu * mean diag(J^T J), mu / 10 after a step that lowers |R|, x 10 after
+    one that does not; retraction unit(u + Q s). Stops when |R| / |R(seed)| < tol. Returns u and the Jacobians used."""
+
+    def residual(points):
+        g = f(r * points).astype(np.float64)
+        t = tangential(g, points)
+        return t / np.linalg.norm(g, axis=-1, keepdims=True) if normalized else t
+
+    value, mu = residual(u[None])[0], 1e-3
+    start = np.linalg.norm(value)
+    for used in range(1, iterations + 1):
+        q = tangent_basis(u)
+        jac = q.T @ ((residual(unit(u + 1e-3 * q.T)) - value) / 1e-3).T
+        jtj, grad = jac.T @ jac, jac.T @ (q.T @ value)
+        for _ in range(8):
+            trial = unit(u + q @ np.linalg.solve(jtj + mu * np.trace(jtj) / len(jtj) * np.eye(len(jtj)), -grad))
+            trial_value = residual(trial[None])[0]
+            if np.linalg.norm(trial_value) < np.linalg.norm(value):
+                u, value, mu = trial, trial_value, max(mu / 10, 1e-9)
+                break
+            mu *= 10
+        if np.linalg.norm(value) < tol * start:
+            break
+    return u, used
+
+
+def newton_rows(folder, report: dict, windows, layers: list[int], n_seeds: int) -> list[dict]:
+    """LM from diagnose's data seeds (the first calibration window's resid_mid, spread over its tokens), on |F| and on
+    |F| / |g|: where it ends, measured by both residuals and by how large the mlp output is there."""
+    model = graph.load(folder)
+    blocks = find_blocks(model)
+    tapped = graph.tap(model, [blocks[l].mlp_in for l in layers])
+    sess = runtime.session(tapped)
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, runtime.feeds(sess, windows.ids[:1]))))
+    rows = []
+    for l in layers:
+        field = runtime.session(graphs.field(model, blocks[l]))
+
+        def f(z, field=field):
+            return field.run(None, {graphs.FIELD_IN: z[:, None].astype(np.float32)})[0][:, 0]
+
+        pool = out[blocks[l].mlp_in][0, 1:]
+        seeds = unit(pool[np.linspace(0, len(pool) - 1, n_seeds).astype(int)].astype(np.float64))
+        r = report["critical"]["layers"][l]["r"]
+        g0 = f(r * seeds).astype(np.float64)
+        scale, size = np.median(np.linalg.norm(tangential(g0, seeds), axis=-1)), np.median(np.linalg.norm(g0, axis=-1))
+        for normalized in (False, True):
+            start = time.perf_counter()
+            ends = [levenberg_marquardt(f, s, r, normalized) for s in seeds]
+            u = np.stack([e[0] for e in ends])
+            g = f(r * u).astype(np.float64)
+            rel = np.linalg.norm(tangential(g, u), axis=-1) / scale
+            sine = np.linalg.norm(tangential(g, u), axis=-1) / np.linalg.norm(g, axis=-1)
+            rows.append({
+                "layer": l,
+                "LM on": "|F| / |g|" if normalized else "|F|",
+                "Jacobians per seed": " ".join(str(e[1]) for e in ends),
+                "|F| / median |F(seed)| < 1e-3": f"{(rel < 1e-3).sum()} / {n_seeds}",
+                "|F| / |g| < 1e-3": f"{(sine < 1e-3).sum()} / {n_seeds}",
+                "median |F| / |g|": f"{np.median(sine):.1e}",
+                "median |g| / median |g(seed)|": f"{np.median(np.linalg.norm(g, axis=-1)) / size:.1e}",
+                "s": f"{time.perf_counter() - start:.0f}",
+            })
+    return rows
+
+
+def critical_section(folder, args) -> None:
+    """diagnose's critical points per layer and the section time; with --newton-layers, LM from the same seeds."""
+    windows = data.windows(folder, seq_len=args.seq_len, max_windows=args.windows, part="calibration")
+    report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, only=("critical",), critical_seeds=args.critical_seeds)
+    rows = critical_rows(report)
+    with_zero = sum(layer["converged"] > 0 for layer in report["critical"]["layers"])
+    print(f"SmolLM2-135M, {len(windows)} calibration windows x {args.seq_len} tokens, {args.critical_seeds} data seeds per layer: "
+          f"a converged zero in {with_zero} of {len(rows)} layers; critical section {report['seconds']['critical']:.1f} s "
+          f"(probe pass before it {report['seconds']['probe']:.1f} s)")
+    print(table(rows, list(rows[0])))
+    if args.newton_layers:
+        with threadpool_limits(1, user_api="blas"):  # as in critical.py: threaded OpenBLAS stalls on a busy 2-core machine
+            rows = newton_rows(folder, report, windows, [int(x) for x in args.newton_layers.split(",")], args.critical_seeds)
+        print("\nLevenberg-Marquardt from the same data seeds, at most 30 Jacobians each")
+        print(table(rows, list(rows[0])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--losses", action="store_true", help="time only the losses section, before and after prefix reuse")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved ORT / torch runs of the scores (medians)")
+    parser.add_argument("--critical", action="store_true", help="only the critical points per layer, with diagnose's defaults")
+    parser.add_argument("--critical-seeds", type=int, default=4)
+    parser.add_argument("--newton-layers", default="", help="with --critical: layers to run Levenberg-Marquardt on, e.g. 5,20,29")
     args = parser.parse_args()
     folder = smollm2()
     if args.losses:
         losses_section(folder, args.windows, args.seq_len)
+        return
+    if args.critical:
+        critical_section(folder, args)
         return
     windows = data.windows(folder, seq_len=args.seq_len, max_windows=args.windows, part="calibration")
 

@@ -1,32 +1,8 @@
 import numpy as np
 import pytest
 
-from surgery.diagnostics.critical import find_critical_points, tangent_basis
 from surgery.diagnostics.defect import DefectStats, spearman
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
-
-
-def test_field_with_known_attractor_saddle_and_repeller():
-    """f(z) = diag(1, 2, 3) z on S^2: F(u) = P_u A u vanishes at +-e_k. Tangent eigenvalues at e_k are
-    lambda_j - lambda_k: e_3 attracts, e_2 is a saddle, e_1 repels."""
-    a = np.diag([1.0, 2.0, 3.0])
-    seeds = np.random.default_rng(0).standard_normal((40, 3))
-    search = find_critical_points(lambda z: z @ a.T, seeds, r=2.0)
-    kinds = {}
-    for p in search.points:
-        axis = int(np.argmax(np.abs(p.direction)))
-        assert abs(p.direction[axis]) > 0.999  # every zero found is a coordinate axis
-        kinds.setdefault(axis, set()).add(p.kind)
-    assert kinds == {0: {"repeller"}, 1: {"saddle"}, 2: {"attractor"}}
-    assert search.counts() == {"attractor": 2, "saddle": 2, "repeller": 2}
-
-
-def test_tangent_basis_is_orthonormal_and_orthogonal_to_u():
-    u = np.random.default_rng(1).standard_normal(7)
-    u /= np.linalg.norm(u)
-    q = tangent_basis(u)
-    np.testing.assert_allclose(q.T @ q, np.eye(6), atol=1e-12)
-    np.testing.assert_allclose(q.T @ u, 0, atol=1e-12)
 
 
 def test_alignment_and_diversity_on_hand_made_vectors():

@@ -1,14 +1,14 @@
 """Critical points of a block's mlp field on the sphere: F(u) = P_u g(r u), g = mlp(ln2(.)).
 
-F vanishes where the mlp output is parallel to u, g(r u) = lambda u. Zeros are found by the field's own
-fixed-point iteration u <- unit(s g(r u)) from data seeds, once with s = +1 and once with s = -1, every
-run of a layer evaluated in one call per step. The iteration is an Euler step of du/dt = F(u) of length
-1/|lambda|, forward for s = +1, backward for s = -1; at a zero its tangent derivative is s M / |lambda|,
-where F's tangent Jacobian is M - lambda I. So it converges to the attractors (s = +1, lambda > 0) and
-the repellers (s = -1, lambda < 0) whose M has spectral radius below |lambda|, and never to a saddle.
-Newton / Levenberg-Marquardt from the same seeds, which could reach saddles, stalls on SmolLM2: on
-|F| it runs into regions where the whole mlp output vanishes, on |F| / |g| it needs ~50 full Jacobians
-per seed (benchmarks/RESULTS.md).
+F vanishes where the mlp output is parallel to u: g(r u) = lambda u. Zeros are found by the field's own
+fixed-point iteration u <- unit(s g(r u)) from data seeds, s = +1 from every other seed and s = -1 from
+the rest, all runs of a layer evaluated in one call per step. Near a zero with s lambda > 0 (the only
+kind it can stop at) a step is an Euler step of du/dt = F(u) of length 1/|lambda|, forward for s = +1
+and backward for s = -1: with F's tangent Jacobian M - lambda I there, the step's derivative is
+M / lambda. So it converges to the attractors (lambda > 0) and the repellers (lambda < 0) whose M has
+spectral radius below |lambda|, and never to a saddle. Levenberg-Marquardt from data seeds, which could
+reach saddles, does not pay on SmolLM2 (benchmarks/RESULTS.md): on |F| it runs into regions where the
+whole mlp output vanishes, on |F| / |g| it needs about 50 full Jacobians per seed or stalls.
 
 At each distinct zero the Jacobian of F restricted to the tangent space (forward differences, all zeros
 in one evaluation) decides the type: every eigenvalue's real part < 0 attractor, > 0 repeller, otherwise
@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from surgery.diagnostics.geometry import tangential, unit
 
@@ -41,8 +42,7 @@ class CriticalPoint:
 
 @dataclasses.dataclass(frozen=True)
 class Search:
-    seeds: int  # data seeds
-    tried: int  # fixed-point runs: two per seed
+    seeds: int  # data seeds, one fixed-point run each
     converged: int  # runs that ended with residual < tol
     best_residual: float  # the smallest residual any run ended with
     points: tuple[CriticalPoint, ...]  # the distinct zeros, classified
@@ -100,29 +100,31 @@ def tangent_jacobians(f: Field, u: np.ndarray, r: float, eps: float = 1e-3) -> n
     return np.swapaxes(q, 1, 2) @ np.swapaxes(difference, 1, 2)
 
 
-def classify(jacobian: np.ndarray) -> tuple[str, float, float, int]:
-    """Kind, largest and smallest eigenvalue real part, and the number of positive ones, of a tangent Jacobian."""
-    real = np.linalg.eigvals(jacobian).real
-    kind = "attractor" if (real < 0).all() else "repeller" if (real > 0).all() else "saddle"
-    return kind, float(real.max()), float(real.min()), int((real > 0).sum())
+def classify(jacobians: np.ndarray) -> list[tuple[str, float, float, int]]:
+    """Kind, largest and smallest eigenvalue real part, and the number of positive ones, of each tangent
+    Jacobian [k, n, n]."""
+    real = np.linalg.eigvals(jacobians).real
+    kinds = ["attractor" if (x < 0).all() else "repeller" if (x > 0).all() else "saddle" for x in real]
+    return [(k, float(x.max()), float(x.min()), int((x > 0).sum())) for k, x in zip(kinds, real)]
 
 
 def find_critical_points(
-    f: Field, seeds: np.ndarray, r: float, *, iterations: int = 300, tol: float = 1e-3, eps: float = 1e-3
+    f: Field, seeds: np.ndarray, r: float, *, iterations: int = 200, tol: float = 1e-3, eps: float = 1e-3
 ) -> Search:
-    """Run the fixed-point iteration with both signs from each seed direction [N, d]; return the distinct
-    zeros it reached (residual < tol; u and -u are different zeros), best first, classified."""
+    """Run the fixed-point iteration from each seed direction [N, d], with sign +1 from even and -1 from odd
+    seeds; return the distinct zeros it reached (residual < tol; u and -u are different zeros), best first,
+    classified."""
     seeds = unit(seeds.astype(np.float64))
-    starts = np.concatenate([seeds, seeds])
-    signs = np.repeat([1.0, -1.0], len(seeds))
-    u, res = fixed_points(f, starts, r, signs, iterations, tol)
+    signs = np.where(np.arange(len(seeds)) % 2 == 0, 1.0, -1.0)
+    u, res = fixed_points(f, seeds, r, signs, iterations, tol)
     distinct: list[int] = []
     for i in np.argsort(res):
         if res[i] < tol and all(u[i] @ u[j] < 0.999 for j in distinct):
             distinct.append(i)
-    points = []
-    if distinct:
-        for i, jacobian in zip(distinct, tangent_jacobians(f, u[distinct], r, eps)):
-            kind, max_real, min_real, unstable = classify(jacobian)
-            points.append(CriticalPoint(kind, float(res[i]), max_real, min_real, unstable, tuple(u[i])))
-    return Search(len(seeds), len(starts), int((res < tol).sum()), float(res.min()), tuple(points))
+    with threadpool_limits(1, user_api="blas"):  # two OpenBLAS threads on a busy 2-core machine: eigvals 17x slower
+        kinds = classify(tangent_jacobians(f, u[distinct], r, eps)) if distinct else []
+    points = tuple(
+        CriticalPoint(kind, float(res[i]), max_real, min_real, unstable, tuple(u[i]))
+        for i, (kind, max_real, min_real, unstable) in zip(distinct, kinds)
+    )
+    return Search(len(seeds), int((res < tol).sum()), float(res.min()), points)

@@ -233,7 +233,6 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
             {
                 "layer": block.layer,
                 "r": r,
-                "tried": search.tried,
                 "converged": search.converged,
                 "best_residual": search.best_residual,
                 "counts": search.counts(),

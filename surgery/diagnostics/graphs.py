@@ -345,8 +345,8 @@ def field(model: ir.Model, block: BlockMap) -> ir.Model:
 
     Only the block's ln2 and mlp nodes are copied, into a new graph sharing their weights: cloning the whole
     model first took 0.6 s per SmolLM2 layer, ten times the session itself."""
-    values = values_by_name(model)
     nodes = branch_nodes(model, block, "mlp")
+    values = {v.name: v for node in nodes for v in (*node.inputs, *node.outputs) if v is not None}
     prefix = f"surgery/field/blocks.{block.layer}"
     z = ir.Value(name=FIELD_IN, type=ir.TensorType(graph.stream_dtype(model)), shape=ir.Shape(["batch", "pos", "d_model"]))
     mapping = {values[block.mlp_in]: z}
