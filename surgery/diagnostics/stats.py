@@ -18,6 +18,7 @@ import dataclasses
 
 import numpy as np
 import onnx_ir as ir
+from threadpoolctl import threadpool_limits
 
 POINTS = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
 _TINY = 1e-30
@@ -112,7 +113,8 @@ def layer_stats(tensors: dict[str, ir.Value], layer: int, token_gram: bool = Tru
 def effective_rank(gram: np.ndarray) -> np.ndarray:
     """exp(entropy of the normalised singular values) from Gram matrices [..., n, n] of unit directions
     (their eigenvalues are the squared singular values), as geometry.effective_rank; batched."""
-    s = np.sqrt(np.clip(np.linalg.eigvalsh(gram), 0, None))
+    with threadpool_limits(1, user_api="blas"):  # small matrices; a second BLAS thread competes with ORT's spinning pool
+        s = np.sqrt(np.clip(np.linalg.eigvalsh(gram), 0, None))
     p = s / s.sum(axis=-1, keepdims=True)
     logs = np.log(np.where(p > 0, p, 1.0))
     return np.exp(-np.sum(p * logs, axis=-1))
