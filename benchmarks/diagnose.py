@@ -209,15 +209,15 @@ def newton_rows(folder, report: dict, windows, layers: list[int], n_seeds: int) 
             g = f(r * u).astype(np.float64)
             rel = np.linalg.norm(tangential(g, u), axis=-1) / scale
             sine = np.linalg.norm(tangential(g, u), axis=-1) / np.linalg.norm(g, axis=-1)
-            rows.append({
+            rows.append({  # F = P_u g, g = mlp(ln2(r u)); sine = norm(F) / norm(g)
                 "layer": l,
-                "LM on": "|F| / |g|" if normalized else "|F|",
+                "LM on": "F / norm(g)" if normalized else "F",
                 "Jacobians per seed": " ".join(str(e[1]) for e in ends),
-                "|F| / median |F(seed)| < 1e-3": f"{(rel < 1e-3).sum()} / {n_seeds}",
-                "|F| / |g| < 1e-3": f"{(sine < 1e-3).sum()} / {n_seeds}",
-                "median |F| / |g|": f"{np.median(sine):.1e}",
-                "median |g| / median |g(seed)|": f"{np.median(np.linalg.norm(g, axis=-1)) / size:.1e}",
-                "s": f"{time.perf_counter() - start:.0f}",
+                "norm(F) < 1e-3 median norm(F(seed))": f"{(rel < 1e-3).sum()} / {n_seeds}",
+                "sine < 1e-3": f"{(sine < 1e-3).sum()} / {n_seeds}",
+                "median sine": f"{np.median(sine):.1e}",
+                "median norm(g) / median norm(g(seed))": f"{np.median(np.linalg.norm(g, axis=-1)) / size:.1e}",
+                "seconds": f"{time.perf_counter() - start:.0f}",
             })
     return rows
 
