@@ -73,7 +73,8 @@ def describe(path: str | Path) -> ModelFacts:
 
 def embedding_table(model: ir.Model) -> tuple[int, int] | None:
     """(vocab, d_model) from the token embedding: a Gather (or GatherBlockQuantized) from a 2-D weight by a graph input."""
-    for node in model.graph:
+    nodes = sorted(model.graph, key=lambda n: not _reads_input_ids(n))  # the token table before position tables
+    for node in nodes:
         table, ids = node.inputs[0] if node.inputs else None, node.inputs[1] if len(node.inputs) > 1 else None
         if node.op_type not in ops.EMBEDDINGS or table is None or ids is None or not ops.is_weight(table):
             continue
@@ -84,6 +85,13 @@ def embedding_table(model: ir.Model) -> tuple[int, int] | None:
                 width = width * 8 // bits  # packed: 8 / bits values a byte
             return vocab, width
     return None
+
+
+def _reads_input_ids(node: ir.Node) -> bool:
+    ids = node.inputs[1] if len(node.inputs) > 1 else None
+    while ids is not None and not ids.is_graph_input() and ids.producer() is not None and ids.producer().op_type in ("Reshape", "Cast", "Unsqueeze"):
+        ids = ids.producer().inputs[0]
+    return ids is not None and ids.name == "input_ids"
 
 
 def _from_input(value: ir.Value, depth: int = 3) -> bool:
