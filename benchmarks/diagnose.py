@@ -9,6 +9,7 @@ on the same calibration windows of SmolLM2-135M: agreement and wall time.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from unittest import mock
 
@@ -130,6 +131,7 @@ def losses_section(folder, windows: int, seq_len: int) -> None:
         results[way] = diagnose(folder, seq_len=seq_len, windows=1, eval_windows=windows, only=("defect", "ablation"))
         for patch in patches:
             patch.stop()
+        print(f"{way}: {results[way]['seconds']['losses']:.1f} s", file=sys.stderr, flush=True)
     before = _all_losses(results["Where switches, whole forwards"])
     rows = []
     for way, report in results.items():
