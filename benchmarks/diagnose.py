@@ -2,6 +2,7 @@
 on the same calibration windows of SmolLM2-135M: agreement and wall time.
 
     python benchmarks/diagnose.py [--windows 4] [--seq-len 256] [--repeats 3]
+    python benchmarks/diagnose.py --sections [--against OLD/report.json] [--workers N]   # `surgery diagnose` with defaults, by section
     python benchmarks/diagnose.py --losses [--windows 4] [--seq-len 256]   # the losses section alone, three ways
     python benchmarks/diagnose.py --critical [--critical-seeds 4] [--newton-layers 5,20,29]   # critical points per layer
 """
@@ -250,6 +251,9 @@ def main() -> None:
     parser.add_argument("--critical", action="store_true", help="only the critical points per layer, with diagnose's defaults")
     parser.add_argument("--critical-seeds", type=int, default=4)
     parser.add_argument("--newton-layers", default="", help="with --critical: layers to run Levenberg-Marquardt on, e.g. 5,20,29")
+    parser.add_argument("--sections", action="store_true", help="`surgery diagnose` with defaults, seconds by section")
+    parser.add_argument("--against", help="with --sections: a report.json of the same model to compare every number with")
+    parser.add_argument("--workers", type=int, help="with --sections: a local Ray cluster of this many CPUs")
     args = parser.parse_args()
     folder = smollm2()
     if args.losses:
@@ -258,20 +262,25 @@ def main() -> None:
     if args.critical:
         critical_section(folder, args)
         return
+    if args.sections:
+        sections(folder, args)
+        return
     windows = data.windows(folder, seq_len=args.seq_len, max_windows=args.windows, part="calibration")
 
     src = resolve_source("smollm2-135m")
+    start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, attn_implementation="eager").eval()
-    ort_seconds, torch_seconds = [], []
+    torch_setup = time.perf_counter() - start
+    ort_pass, ort_setup, torch_pass = [], [], []
     for _ in range(args.repeats):  # interleaved, so both see the same machine
         # eval_windows only sizes the dNLL ground truth that "defect" also measures; it is not compared here.
         report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, eval_windows=1, only=("deficit", "diversity", "defect", "gate"))
-        ort_seconds.append(report["seconds"]["probe"])  # the one pass that gives every score below, graph and session included
+        ort_setup.append(report["seconds"]["probe_setup"])  # the probe graph, its statistics and session
+        ort_pass.append(report["seconds"]["probe"] - report["seconds"]["probe_setup"])  # the one pass that gives every score below
         start = time.perf_counter()
         ref = torch_diagnostics(model, windows)
-        torch_seconds.append(time.perf_counter() - start)
-    ort_s, torch_s = float(np.median(ort_seconds)), float(np.median(torch_seconds))
-
+        torch_pass.append(time.perf_counter() - start)
+    ort_s, torch_s, setup_s = (float(np.median(x)) for x in (ort_pass, torch_pass, ort_setup))
     ours = {
         "alignment": report["deficit"]["alignment"],
         "c": report["defect"]["c"],
@@ -296,8 +305,53 @@ def main() -> None:
         })
     print(f"SmolLM2-135M, {len(windows)} calibration windows x {args.seq_len} tokens, {torch.get_num_threads()} threads")
     print(table(rows, list(rows[0])))
-    print(f"\nwall time, scores for all 30 layers, median of {args.repeats} interleaved runs: ORT probe pass {ort_s:.2f} s "
-          f"(building the graph and session included), torch hooks {torch_s:.2f} s (torch / ORT {torch_s / ort_s:.2f}x)")
+    print(f"\nwall time, scores for all 30 layers, median of {args.repeats} interleaved runs: the pass over the windows, "
+          f"ORT probe {ort_s:.2f} s, torch hooks {torch_s:.2f} s (torch / ORT {torch_s / ort_s:.2f}x); set-up, ORT probe graph "
+          f"and session {setup_s:.2f} s, torch from_pretrained {torch_setup:.2f} s (once); both together, torch / ORT "
+          f"{(torch_s + torch_setup) / (ort_s + setup_s):.2f}x")
+
+
+BEFORE = {"probe": 12.2, "critical": 155.2, "prefix": 21.2, "losses": 465.1, "total": 658.0}  # when issue 11 was filed (RESULTS.md)
+
+
+def _leaves(x, path=""):
+    """(path, number) of every number in a report."""
+    if isinstance(x, dict):
+        for key, value in x.items():
+            yield from _leaves(value, f"{path}/{key}")
+    elif isinstance(x, (list, tuple)):
+        for i, value in enumerate(x):
+            yield from _leaves(value, f"{path}/{i}")
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield path, float(x)
+
+
+def sections(folder, args) -> None:
+    """`surgery diagnose` with its defaults, timed by section beside the times when issue 11 was filed; with
+    --against, every number of each section beside that report's (critical points changed method: counted)."""
+    start = time.perf_counter()
+    report = diagnose(folder, workers=args.workers)
+    total = time.perf_counter() - start
+    sec = report["seconds"]
+    rows = [{"section": k, "seconds before": f"{BEFORE[k]:.1f}", "seconds now": f"{sec[k]:.1f}"} for k in ("probe", "critical", "prefix", "losses")]
+    rows.append({"section": "total (load, windows, sections)", "seconds before": f"{BEFORE['total']:.1f}", "seconds now": f"{total:.1f}"})
+    print(f"`surgery diagnose` defaults on SmolLM2-135M, {torch.get_num_threads()} cores, workers {args.workers or 0}; "
+          f"probe set-up (graph and session) {sec['probe_setup']:.1f} s of the probe")
+    print(table(rows, list(rows[0])))
+    if args.against:
+        import json
+
+        old = json.load(open(args.against))
+        rows = []
+        for key in ("deficit", "diversity", "defect", "gate", "prefix", "ablation"):
+            a, b = dict(_leaves(report[key])), dict(_leaves(old[key]))
+            shared = sorted(a.keys() & b.keys())
+            rel = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in shared)
+            rows.append({"section": key, "numbers": len(shared), "only in one": len(a.keys() ^ b.keys()), "max rel diff": f"{rel:.1e}"})
+        zeros = lambda r: sum(bool(layer["points"]) for layer in r["critical"]["layers"])  # noqa: E731
+        rows.append({"section": "critical (layers with a zero)", "numbers": f"{zeros(old)} -> {zeros(report)}", "only in one": "", "max rel diff": "new method"})
+        print(f"\nagainst {args.against}")
+        print(table(rows, list(rows[0])))
 
 
 if __name__ == "__main__":

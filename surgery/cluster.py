@@ -2,9 +2,13 @@
 
     with cluster.pool(workers=2) as pool:            # a local Ray cluster of 2 CPUs, started and stopped here
     with cluster.pool(address="HOST:6379") as pool:  # an existing Ray cluster, left running
-    with cluster.pool() as pool:                     # no Ray: this process
+    with cluster.pool() as pool:                     # no Ray: this process, two runs at a time (`concurrent`)
         actors = pool.actors(model, make)            # each actor builds make(model) once (a session, a Scorer)
         for result in actors.map("run", [args, ...], **common):  # obj.run(*args, **common) per job, in job order
+
+In this process, `concurrent` jobs run at once on threads sharing the object (ONNX Runtime runs one session
+from several threads, and releases the GIL), each session with cores / concurrent intra-op threads: on 2
+cores two one-thread runs of SmolLM2 take 0.47 s a run against 0.54 s for one two-thread run at a time.
 
 The driver reduces the results, in job order, so a sum over windows adds the same numbers in the same
 order whichever way they were computed. Ray is optional: `pip install 'surgery[ray]'`. Each actor takes one
@@ -16,23 +20,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import onnx_ir as ir
+from threadpoolctl import threadpool_limits
 
 from surgery import runtime
 from surgery.errors import SurgeryError
 
 
 class Local:
-    """One object in this process; `map` calls it job by job."""
+    """One object in this process; `map` calls it job by job, `concurrent` jobs at a time, in job order."""
 
-    def __init__(self, obj: Any):
-        self.obj = obj
+    def __init__(self, obj: Any, concurrent: int = 1):
+        self.obj, self.concurrent = obj, concurrent
 
     def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
-        return (getattr(self.obj, method)(*args, **common) for args in jobs)
+        call = lambda args: getattr(self.obj, method)(*args, **common)  # noqa: E731
+        if self.concurrent == 1:
+            yield from map(call, jobs)
+            return
+        # BLAS on one thread per job, set once here: threadpoolctl's limits are process-wide, not per thread
+        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(self.concurrent) as executor:
+            yield from executor.map(call, jobs)
 
 
 class Remote:
@@ -49,34 +62,54 @@ class Remote:
 
 @dataclasses.dataclass
 class Pool:
-    """What `pool()` yields: `workers` Ray actors per `actors` call, or this process when workers is 0."""
+    """What `pool()` yields: `workers` Ray actors per `actors` call, or, when workers is 0, this process
+    running `concurrent` jobs at a time."""
 
     workers: int = 0
+    concurrent: int = 1
 
     @property
     def distributed(self) -> bool:
         return self.workers > 0
 
+    @property
+    def parallel(self) -> int:
+        """How many jobs run at once."""
+        return self.workers if self.distributed else self.concurrent
+
     def options(self, options: runtime.Options) -> runtime.Options:
-        """Session options for the objects `make` builds: one intra-op thread per actor on Ray."""
-        return dataclasses.replace(options, threads=1) if self.distributed else options
+        """Session options for the objects `make` builds: one intra-op thread per Ray actor; in this process,
+        the cores shared by the concurrent jobs."""
+        if self.distributed:
+            return dataclasses.replace(options, threads=1)
+        if self.concurrent > 1:
+            return dataclasses.replace(options, threads=max(1, (os.cpu_count() or 1) // self.concurrent))
+        return options
 
     def actors(self, model: ir.Model, make: Callable[[ir.Model], Any]) -> Local | Remote:
         """Objects built by `make(model)` (a picklable function: a module-level one or a functools.partial)."""
         if not self.distributed:
-            return Local(make(model))
+            return Local(make(model), self.concurrent)
         import ray
 
         portable = ray.put(runtime.Portable.of(model))
         return Remote([_holder().remote(portable, make) for _ in range(self.workers)])
 
 
+def concurrency(options: runtime.Options) -> int:
+    """Jobs to run at once in this process: 2 on a CPU with 2 or more cores when the intra-op threads are
+    ORT's choice; 1 when they are given (the user chose them) or on CUDA."""
+    if options.threads is not None or (os.cpu_count() or 1) < 2 or runtime.providers(options.device)[0] != runtime.CPU:
+        return 1
+    return 2
+
+
 @contextlib.contextmanager
-def pool(workers: int | None = None, address: str | None = None) -> Iterator[Pool]:
+def pool(workers: int | None = None, address: str | None = None, concurrent: int = 1) -> Iterator[Pool]:
     """A Pool over a local Ray cluster of `workers` CPUs (started and stopped here), over the Ray cluster at
-    `address` (as many actors as it has CPUs), or, with neither, this process."""
+    `address` (as many actors as it has CPUs), or, with neither, this process running `concurrent` jobs at once."""
     if not workers and not address:
-        yield Pool()
+        yield Pool(concurrent=concurrent)
         return
     if workers is not None and workers < 1:
         raise SurgeryError(f"--workers {workers}: give 1 or more Ray workers, or leave it out to run in this process")

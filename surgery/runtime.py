@@ -33,6 +33,14 @@ class Options:
     execution: str = "sequential"  # or "parallel": independent nodes (attention and mlp) run at once
     device: str = "auto"  # "auto" (CUDA when usable), "cuda" or "cpu"
     profile: str | None = None  # file prefix: ORT writes a JSON profile of every kernel run there
+    memory_reuse: bool = True  # False: no plan of buffers shared between values (see `analysis`)
+
+
+def analysis(options: Options) -> Options:
+    """The options for sessions of analysis graphs (probes with hundreds of outputs, switchboards), which run
+    a few windows each: ORT's buffer-reuse plan is skipped (its arena still recycles freed buffers). SmolLM2's
+    probe session then starts in 4.5 s instead of 15.6 s, and runs as fast."""
+    return dataclasses.replace(options, memory_reuse=False)
 
 
 @functools.cache
@@ -92,6 +100,7 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.I
     so.graph_optimization_level = OPTIMIZATION[options.optimization]
     if options.threads:
         so.intra_op_num_threads = options.threads
+    so.enable_mem_reuse = options.memory_reuse
     if options.profile:
         so.enable_profiling = True
         so.profile_file_prefix = options.profile

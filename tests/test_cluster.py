@@ -5,9 +5,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from surgery import runtime
+from surgery import cluster, runtime
 from surgery.cli import app
 from surgery.diagnostics import diagnose
+from surgery.diagnostics.diagnose import _diagnose
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
 
@@ -26,13 +27,36 @@ def _leaves(x, path=""):
 
 
 def test_diagnose_on_a_local_2_cpu_ray_cluster_equals_the_in_process_run(fixture_path):
+    """The probe's windows and the chunks of the evaluation window's loss runs spread over two actors."""
     pytest.importorskip("ray")
-    kwargs = dict(seq_len=32, windows=3, eval_windows=3, only=("deficit", "diversity", "defect", "gate", "ablation"))
-    here = dict(_leaves(diagnose(fixture_path("llama"), options=runtime.Options(threads=1), **kwargs)))
+    kwargs = dict(seq_len=32, windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"))
+    here = dict(_leaves(diagnose(fixture_path("llama"), options=runtime.Options(threads=1), **kwargs)))  # one run at a time
     there = dict(_leaves(diagnose(fixture_path("llama"), workers=2, **kwargs)))
     assert there.keys() == here.keys() and len(here) > 100
     for path, value in here.items():
         assert there[path] == pytest.approx(value, rel=1e-9, abs=1e-12), path
+
+
+def test_concurrent_runs_in_process_equal_one_run_at_a_time(fixture_path):
+    """Two probe windows, and two chunks of an evaluation window's loss runs, at a time on one session's threads
+    give the numbers of one run at a time."""
+    kwargs = dict(seq_len=32, windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"),
+                  options=runtime.analysis(runtime.Options(threads=1)))
+    here = dict(_leaves(_diagnose(fixture_path("llama"), **kwargs)))
+    with cluster.pool(concurrent=2) as pool:
+        assert pool.parallel == 2 and pool.options(kwargs["options"]).threads >= 1
+        there = dict(_leaves(_diagnose(fixture_path("llama"), pool=pool, **kwargs)))
+    assert there.keys() == here.keys() and len(here) > 100
+    for path, value in here.items():
+        assert there[path] == pytest.approx(value, rel=1e-9, abs=1e-12), path
+
+
+def test_concurrency_is_left_to_the_user_when_threads_are_given(monkeypatch):
+    monkeypatch.setattr(cluster.os, "cpu_count", lambda: 2)
+    assert cluster.concurrency(runtime.Options(device="cpu")) == 2
+    assert cluster.concurrency(runtime.Options(device="cpu", threads=2)) == 1
+    monkeypatch.setattr(cluster.os, "cpu_count", lambda: 1)
+    assert cluster.concurrency(runtime.Options(device="cpu")) == 1
 
 
 def test_workers_without_ray_is_one_line(fixture_path, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ evaluation windows. Nothing holds more than one window's activations.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -27,15 +28,18 @@ from surgery.facts import embedding_table
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 ABLATION_MODES = ("tangential", "radial", "remove")
 SINK_MODES = ("tangential", "radial")  # also measured with position 0 keeping its branch output
+CHUNK = 8  # single-layer loss runs of a window per job (a job is a few seconds of SmolLM2)
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | None = None, **kwargs) -> dict:
     """Run the selected diagnostics (keyword arguments: see _diagnose); return a JSON-ready report (see
     surgery/report.schema.json). workers / ray: score the windows on a local Ray cluster of that many CPUs /
-    on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run."""
-    with cluster.pool(workers, ray) as pool:
-        return _diagnose(model_path, pool=pool, **kwargs)
+    on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run, which
+    scores two windows at a time when ORT picks the threads (cluster.concurrency)."""
+    options = runtime.analysis(kwargs.pop("options", runtime.Options()))
+    with cluster.pool(workers, ray, concurrent=cluster.concurrency(options)) as pool:
+        return _diagnose(model_path, pool=pool, options=options, **kwargs)
 
 
 def _diagnose(
@@ -76,6 +80,7 @@ def _diagnose(
         twin = bool(set(only) & {"defect", "gate"})
         probed = _stream_probe(graphs.probe(model, twin=twin), cal, options, n, tell, pool)
         report["seconds"]["probe"] = time.perf_counter() - start
+        report["seconds"]["probe_setup"] = probed["ready"] - start  # of which: the graph and its session(s)
         if "deficit" in only:
             a = [s / c for s, c in zip(probed["align_sum"], probed["align_count"])]
             report["deficit"] = {"alignment": a, "deficit": [1 - x for x in a], "mean": float(np.mean([1 - x for x in a]))}
@@ -113,7 +118,7 @@ def _diagnose(
         kinds = ([("parallel",)] if "defect" in only else []) + (
             [(b, m) for b in ("mlp", "attn") for m in ABLATION_MODES] if "ablation" in only else []
         ) + sink_kinds
-        losses = _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds))
+        losses = _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool)
         intervals = losses["interval"]
         if "defect" in only:
             dnll = [losses[("parallel",)][l] for l in range(n)]
@@ -179,6 +184,7 @@ def _stream_probe(p: graphs.Probe, windows: data.Windows, options, n: int, tell,
     make = functools.partial(ProbeWindows, taps=taps, seeds=seeds, options=workers.options(options))
     actors = workers.actors(p.model, make)
     result = {
+        "ready": time.perf_counter(),
         "align_sum": np.zeros(n), "align_count": np.zeros(n), "diversity": [],
         "defect": DefectStats(n), "norms": [[] for _ in range(n)], "seeds": [None] * n,
     }
@@ -250,7 +256,7 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
     return {"seeds": n_seeds, "layers": layers}
 
 
-def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset()) -> dict:
+def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset(), pool: cluster.Pool = cluster.Pool()) -> dict:
     """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits;
     kinds in all_only at all layers only): dNLL per kind and layer, and under "interval" its 95 % paired
     bootstrap [low, high] over the windows.
@@ -258,26 +264,29 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     Window by window: the run with every switch off keeps each block's resid_post, and a run with a kind on at
     block l alone starts there from block l - 1's (blocks < l would compute what that run did). In float16, or
     where some block cannot be skipped (graphs.resumable gives None), every run is a whole forward pass.
+    A window's runs are scored in chunks of CHUNK, `pool.parallel` at a time (in this process or on Ray
+    actors), each from the unchanged run's kept tensors; the parts are joined here in window order.
     """
     n = len(blocks)
     lazy = not narrower_than_float32(graph.stream_dtype(model).numpy())  # If boundaries round float16 on CPU
     board = graphs.switchboard(model, kinds, lazy=lazy)
     resume = graphs.resumable(board, blocks) if lazy else None
-    scorer = evaluate.Scorer(board if resume is None else resume.model, options, keep=resume.resid_post if resume else ())
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
     jobs += [(kind, "all") for kind in kinds if kind != ("parallel",)]
-    runs = [("base", None)] + [job for job in jobs if not _already_parallel(job, blocks)]
-    parts: dict = {run: [] for run in runs}
+    runs = [job for job in jobs if not _already_parallel(job, blocks)]
+    chunks = [runs[i : i + CHUNK] for i in range(0, len(runs), CHUNK)]
+    cut = dataclasses.replace(resume, model=None) if resume else None  # the graph goes to the actors once, as their model
+    make = functools.partial(LossWindows, kinds=kinds, n_layers=n, resume=cut, options=pool.options(options))
+    actors = pool.actors(board if resume is None else resume.model, make)
+    parts: dict = {run: [] for run in [("base", None), *runs]}
     for i in range(len(windows)):
-        window, kept = windows.take([i]), {}
-        for done, (kind, layer) in enumerate(runs, 1):
-            single = isinstance(layer, int)
-            on = {} if kind == "base" else {kind: {layer} if single else set(range(n))}
-            extra = {graphs.SWITCHES: graphs.switches(kinds, n, on)}
-            if resume is not None:  # a single-layer run starts at its block, the others at block 0
-                extra |= resume.inputs(layer if single else 0, kept)
-            parts[(kind, layer)].append(scorer(window, extra=extra, kept=kept if kind == "base" else None))
-            tell("losses", i * len(runs) + done, len(windows) * len(runs))
+        window = windows.take([i])
+        [(base, kept)] = actors.map("base", [(window,)])
+        parts[("base", None)].append(base)
+        for done, (chunk, scored) in enumerate(zip(chunks, actors.map("runs", [(window, chunk, kept) for chunk in chunks])), 1):
+            for run, part in zip(chunk, scored):
+                parts[run].append(part)
+            tell("losses", i * len(chunks) + done, len(windows) * len(chunks))
     base = evaluate.joined(parts[("base", None)])
     result: dict = {"base": base.loss, "interval": {kind: {} for kind in kinds}, **{kind: {} for kind in kinds}}
     for kind, layer in jobs:
@@ -289,6 +298,32 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
         result[kind][layer] = p.loss - base.loss
         result["interval"][kind][layer] = [d.low, d.high]
     return result
+
+
+class LossWindows:
+    """The switchboard's scoring session (here or on a Ray actor): a window's unchanged run, which keeps each
+    block's resid_post, then runs of it with one (kind, layer) switched on, a single-layer run resuming at
+    its block from what the unchanged run kept (when it can)."""
+
+    def __init__(self, model, kinds, n_layers: int, resume: graphs.Resumable | None, options: runtime.Options):
+        self.kinds, self.n, self.resume = kinds, n_layers, resume
+        self.scorer = evaluate.Scorer(model, options, keep=resume.resid_post if resume else ())
+
+    def base(self, window: data.Windows) -> tuple[evaluate.Perplexity, dict[str, np.ndarray]]:
+        kept: dict = {}
+        return self.scorer(window, extra=self._extra(None, kept), kept=kept), kept
+
+    def runs(self, window: data.Windows, runs: list[tuple], kept: dict[str, np.ndarray]) -> list[evaluate.Perplexity]:
+        return [self.scorer(window, extra=self._extra(run, kept)) for run in runs]
+
+    def _extra(self, run, kept) -> dict:
+        kind, layer = run or (None, None)
+        single = isinstance(layer, int)
+        on = {} if run is None else {kind: {layer} if single else set(range(self.n))}
+        extra = {graphs.SWITCHES: graphs.switches(self.kinds, self.n, on)}
+        if self.resume is not None:  # a single-layer run starts at its block, the others at block 0
+            extra |= self.resume.inputs(layer if single else 0, kept)
+        return extra
 
 
 def _already_parallel(job, blocks) -> bool:

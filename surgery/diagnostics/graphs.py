@@ -233,9 +233,10 @@ def switches(kinds: list[tuple[str, ...]], n_layers: int, on: dict[tuple[str, ..
 
 @dataclasses.dataclass(frozen=True)
 class Resumable:
-    """A resumable graph; resid_post[l] names its output with block l's resid_post, for every block but the last."""
+    """A resumable graph; resid_post[l] names its output with block l's resid_post, for every block but the last.
+    `inputs` does not read `model` (None where the graph travels separately)."""
 
-    model: ir.Model
+    model: ir.Model | None
     resid_post: tuple[str, ...]
     dtype: np.dtype  # of the residual stream
 
