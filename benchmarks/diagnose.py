@@ -2,7 +2,7 @@
 on the same calibration windows of SmolLM2-135M: agreement and wall time.
 
     python benchmarks/diagnose.py [--windows 4] [--seq-len 256] [--repeats 3]
-    python benchmarks/diagnose.py --sections [--against OLD/report.json] [--workers N]   # `surgery diagnose` with defaults, by section
+    python benchmarks/diagnose.py --sections [--against OLD/report.json] [--workers N] [--save report.json]   # `surgery diagnose` with defaults, by section
     python benchmarks/diagnose.py --losses [--windows 4] [--seq-len 256]   # the losses section alone, three ways
     python benchmarks/diagnose.py --critical [--critical-seeds 4] [--newton-layers 5,20,29]   # critical points per layer
 """
@@ -254,6 +254,7 @@ def main() -> None:
     parser.add_argument("--sections", action="store_true", help="`surgery diagnose` with defaults, seconds by section")
     parser.add_argument("--against", help="with --sections: a report.json of the same model to compare every number with")
     parser.add_argument("--workers", type=int, help="with --sections: a local Ray cluster of this many CPUs")
+    parser.add_argument("--save", help="with --sections: write the report as JSON here")
     args = parser.parse_args()
     folder = smollm2()
     if args.losses:
@@ -332,24 +333,34 @@ def sections(folder, args) -> None:
     start = time.perf_counter()
     report = diagnose(folder, workers=args.workers)
     total = time.perf_counter() - start
+    if args.save:
+        import json
+
+        with open(args.save, "w") as f:
+            json.dump(report, f)
     sec = report["seconds"]
     rows = [{"section": k, "seconds before": f"{BEFORE[k]:.1f}", "seconds now": f"{sec[k]:.1f}"} for k in ("probe", "critical", "prefix", "losses")]
     rows.append({"section": "total (load, windows, sections)", "seconds before": f"{BEFORE['total']:.1f}", "seconds now": f"{total:.1f}"})
     print(f"`surgery diagnose` defaults on SmolLM2-135M, {torch.get_num_threads()} cores, workers {args.workers or 0}; "
           f"probe set-up (graph and session) {sec['probe_setup']:.1f} s of the probe")
     print(table(rows, list(rows[0])))
+    rho = report["defect"]["spearman"]
+    print(f"\nSpearman with the single-layer parallel dNLL (evaluation windows): C_l {rho['c']:.3f}, C_l^stream {rho['c_stream']:.3f} "
+          "(more one-pass scores: benchmarks/predictor.py)")
     if args.against:
         import json
 
         old = json.load(open(args.against))
         rows = []
-        for key in ("deficit", "diversity", "defect", "gate", "prefix", "ablation"):
+        same_method = "converged" in old["critical"]["layers"][0]  # a report of this critical-point search
+        for key in ("deficit", "diversity", "defect", "gate", "prefix", "ablation") + (("critical",) if same_method else ()):
             a, b = dict(_leaves(report[key])), dict(_leaves(old[key]))
             shared = sorted(a.keys() & b.keys())
             rel = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in shared)
             rows.append({"section": key, "numbers": len(shared), "only in one": len(a.keys() ^ b.keys()), "max rel diff": f"{rel:.1e}"})
         zeros = lambda r: sum(bool(layer["points"]) for layer in r["critical"]["layers"])  # noqa: E731
-        rows.append({"section": "critical (layers with a zero)", "numbers": f"{zeros(old)} -> {zeros(report)}", "only in one": "", "max rel diff": "new method"})
+        if not same_method:
+            rows.append({"section": "critical (layers with a zero)", "numbers": f"{zeros(old)} -> {zeros(report)}", "only in one": "", "max rel diff": "new method"})
         print(f"\nagainst {args.against}")
         print(table(rows, list(rows[0])))
 

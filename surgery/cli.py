@@ -43,7 +43,7 @@ _verbose = False
 
 @app.callback()
 def _options(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show what the libraries underneath print (transformers, optimum, torch).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show what the libraries underneath print (transformers, optimum, torch, Ray).")] = False,
 ) -> None:
     global _verbose
     _verbose = verbose
@@ -51,7 +51,7 @@ def _options(
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
         warnings.simplefilter("ignore")
-        for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir"):
+        for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir", "surgery.cluster"):  # the last: Ray's notices
             logging.getLogger(name).setLevel(logging.ERROR)
 
 

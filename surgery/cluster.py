@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -117,13 +119,17 @@ def pool(workers: int | None = None, address: str | None = None, concurrent: int
         import ray
     except ImportError:
         raise SurgeryError("--workers and --ray need Ray; run `pip install 'surgery[ray]'`") from None
+    printed = io.StringIO()  # Ray prints notices (token authentication) at start: they go to this module's logger instead
     try:
-        if address:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            if address:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SurgeryError(f"cannot start Ray ({str(e).splitlines()[0] if str(e) else type(e).__name__}); check --ray ADDRESS") from None
+    for line in printed.getvalue().splitlines():
+        logging.getLogger(__name__).warning(line)
     try:
         yield Pool(workers or max(1, int(ray.cluster_resources().get("CPU", 1))))
     finally:

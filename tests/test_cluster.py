@@ -1,5 +1,6 @@
 """Scoring on Ray actors gives the numbers of the in-process run."""
 
+import subprocess
 import sys
 
 import pytest
@@ -65,6 +66,15 @@ def test_workers_without_ray_is_one_line(fixture_path, tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert result.output.strip() == "error: --workers and --ray need Ray; run `pip install 'surgery[ray]'`"
     assert not (tmp_path / "r").exists()
+
+
+def test_diagnose_on_ray_from_the_cli_prints_no_ray_notices(fixture_path, tmp_path):
+    """Ray's start-up notices (token authentication) are third-party chatter: shown with --verbose only."""
+    pytest.importorskip("ray")
+    args = ["diagnose", str(fixture_path("llama")), "--workers", "2", "--seq-len", "32", "--windows", "2", "--only", "deficit"]
+    quiet = subprocess.run([sys.executable, "-m", "surgery.cli", *args, "-o", str(tmp_path / "q")], capture_output=True, text=True)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == "" and (tmp_path / "q" / "report.json").exists()
 
 
 @pytest.mark.slow
