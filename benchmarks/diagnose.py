@@ -3,13 +3,14 @@ on the same calibration windows of SmolLM2-135M: agreement and wall time.
 
     python benchmarks/diagnose.py [--windows 4] [--seq-len 256] [--repeats 3]
     python benchmarks/diagnose.py --sections [--against OLD/report.json] [--workers N] [--save report.json]   # `surgery diagnose` with defaults, by section
-    python benchmarks/diagnose.py --losses [--windows 4] [--seq-len 256]   # the losses section alone, three ways
+    python benchmarks/diagnose.py --losses [--windows 1] [--rounds 2]   # the losses section, three ways interleaved
     python benchmarks/diagnose.py --critical [--critical-seeds 4] [--newton-layers 5,20,29]   # critical points per layer
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from unittest import mock
@@ -21,9 +22,10 @@ import torch
 from threadpoolctl import threadpool_limits
 from transformers import AutoModelForCausalLM
 
-from surgery import data, graph, runtime
+from surgery import cluster, data, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.diagnostics import diagnose, graphs
+from surgery.diagnostics.diagnose import _switch_losses
 from surgery.diagnostics.critical import tangent_basis
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine, tangential, unit
 from surgery.export import resolve_source
@@ -108,37 +110,35 @@ def torch_diagnostics(model, windows) -> dict:
     }
 
 
-def _all_losses(report) -> np.ndarray:
-    """Every loss of the losses section, base + dNLL, interval ends included, in one order."""
-    base, d, a = report["ablation"]["base_loss"], report["defect"], report["ablation"]
-    dnll = list(d["dnll_parallel"]) + [x for pair in d["dnll_parallel_interval"] for x in pair]
-    for key in ("per_layer", "per_layer_interval", "all_layers", "all_layers_interval", "all_layers_keep_sink", "all_layers_keep_sink_interval"):
-        dnll += list(np.ravel([a[key][b][m] for b in a[key] for m in a[key][b]]))
-    return base + np.array([0.0] + dnll)
-
-
-def losses_section(folder, windows: int, seq_len: int) -> None:
-    """Time diagnose's losses section (the 30 x 7 single-layer and 10 all-layer dNLLs of defect + ablation on the
-    evaluation windows) as it was (Where switches, every run a whole forward), with If switches only, and as it is
-    (If switches, each single-layer run starting at its block from the unchanged run's resid_pre); compare the numbers."""
-    board = graphs.switchboard
-    eager = mock.patch.object(graphs, "switchboard", lambda model, kinds, lazy: board(model, kinds, lazy=False))
-    whole = mock.patch.object(graphs, "resumable", lambda board, blocks: None)
-    ways = {"Where switches, whole forwards": [eager, whole], "If switches, whole forwards": [whole], "If switches, prefix reuse": []}
+def losses_section(folder, windows: int, seq_len: int, rounds: int) -> None:
+    """diagnose's losses section for two kinds (parallel and mlp tangential: 62 runs a window), interleaved
+    rounds of three ways: every run a whole forward, single-layer runs resuming at their block (prefix reuse)
+    one two-thread run at a time, and prefix reuse with two one-thread runs at a time (the default)."""
+    model = graph.load(folder)
+    blocks = find_blocks(model)
+    ev = data.windows(folder, seq_len=seq_len, max_windows=windows, part="evaluation")
+    kinds = [("parallel",), ("mlp", "tangential")]
+    options = runtime.analysis(runtime.Options())
+    ways = {"whole forwards, one two-thread run at a time": (1, True), "prefix reuse, one two-thread run at a time": (1, False),
+            "prefix reuse, two one-thread runs at a time (default)": (2, False)}
+    seconds: dict = {way: [] for way in ways}
     results = {}
-    for way, patches in ways.items():
-        for patch in patches:
-            patch.start()
-        results[way] = diagnose(folder, seq_len=seq_len, windows=1, eval_windows=windows, only=("defect", "ablation"))
-        for patch in patches:
-            patch.stop()
-        print(f"{way}: {results[way]['seconds']['losses']:.1f} s", file=sys.stderr, flush=True)
-    before = _all_losses(results["Where switches, whole forwards"])
+    for _ in range(rounds):
+        for way, (concurrent, whole) in ways.items():
+            patch = mock.patch.object(graphs, "resumable", lambda board, blocks: None) if whole else contextlib.nullcontext()
+            with patch, cluster.pool(concurrent=concurrent) as pool:
+                start = time.perf_counter()
+                results[way] = _switch_losses(model, blocks, kinds, ev, options, lambda *_: None, pool=pool)
+                seconds[way].append(time.perf_counter() - start)
+            print(f"{way}: {seconds[way][-1]:.1f} s", file=sys.stderr, flush=True)
+    first = results[next(iter(ways))]
     rows = []
-    for way, report in results.items():
-        diff = np.abs(_all_losses(report) - before) / np.abs(before)
-        rows.append({"losses section": way, "seconds": f"{report['seconds']['losses']:.1f}", "max rel diff of the losses vs before": f"{diff.max():.1e}"})
-    print(f"SmolLM2-135M, {windows} evaluation windows x {seq_len} tokens, {torch.get_num_threads()} threads")
+    for way in ways:
+        r = results[way]
+        diff = max(abs(r[k][l] - first[k][l]) for k in kinds for l in first[k] if first[k][l] is not None)
+        rows.append({"losses run as": way, **{f"round {i + 1}": f"{t:.1f} s" for i, t in enumerate(seconds[way])},
+                     "max abs diff of the dNLLs vs whole forwards": f"{diff:.1e}"})
+    print(f"SmolLM2-135M, {windows} evaluation window(s) x {seq_len} tokens, kinds parallel + mlp tangential ({len(kinds) * len(blocks) + 2} runs a window)")
     print(table(rows, list(rows[0])))
 
 
@@ -246,7 +246,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--losses", action="store_true", help="time only the losses section, before and after prefix reuse")
+    parser.add_argument("--losses", action="store_true", help="the losses section three ways, interleaved (give --windows 1)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --losses: interleaved rounds")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved ORT / torch runs of the scores (medians)")
     parser.add_argument("--critical", action="store_true", help="only the critical points per layer, with diagnose's defaults")
     parser.add_argument("--critical-seeds", type=int, default=4)
@@ -258,7 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = smollm2()
     if args.losses:
-        losses_section(folder, args.windows, args.seq_len)
+        losses_section(folder, args.windows, args.seq_len, args.rounds)
         return
     if args.critical:
         critical_section(folder, args)

@@ -36,7 +36,7 @@ def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | N
     """Run the selected diagnostics (keyword arguments: see _diagnose); return a JSON-ready report (see
     surgery/report.schema.json). workers / ray: score the windows on a local Ray cluster of that many CPUs /
     on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run, which
-    scores two windows at a time when ORT picks the threads (cluster.concurrency)."""
+    runs two jobs (windows, chunks of loss runs) at a time when ORT picks the threads (cluster.concurrency)."""
     options = runtime.analysis(kwargs.pop("options", runtime.Options()))
     with cluster.pool(workers, ray, concurrent=cluster.concurrency(options)) as pool:
         return _diagnose(model_path, pool=pool, options=options, **kwargs)
