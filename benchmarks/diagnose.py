@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 from unittest import mock
@@ -329,29 +330,28 @@ def _leaves(x, path=""):
 
 
 def sections(folder, args) -> None:
-    """`surgery diagnose` with its defaults, timed by section beside the times when issue 11 was filed; with
-    --against, every number of each section beside that report's (critical points changed method: counted)."""
+    """`surgery diagnose` with its defaults, timed by section beside the section times of the --against report
+    (or, without one, those of RESULTS.md when issue 11 was filed), and every number of each section beside that
+    report's (critical points, when it comes from the earlier search: layers with a zero counted)."""
     start = time.perf_counter()
     report = diagnose(folder, workers=args.workers)
     total = time.perf_counter() - start
     if args.save:
-        import json
-
         with open(args.save, "w") as f:
             json.dump(report, f)
     sec = report["seconds"]
-    rows = [{"section": k, "seconds before": f"{BEFORE[k]:.1f}", "seconds now": f"{sec[k]:.1f}"} for k in ("probe", "critical", "prefix", "losses")]
-    rows.append({"section": "total (load, windows, sections)", "seconds before": f"{BEFORE['total']:.1f}", "seconds now": f"{total:.1f}"})
+    old = json.load(open(args.against)) if args.against else None
+    before = old["seconds"] if old else BEFORE  # that report's own section times, or those in RESULTS.md
+    label = f"seconds, {args.against}" if old else "seconds when issue 11 was filed"
+    rows = [{"section": k, label: f"{before[k]:.1f}", "seconds now": f"{sec[k]:.1f}"} for k in ("probe", "critical", "prefix", "losses")]
+    rows.append({"section": "total (load, windows, sections)", label: f"{before['total']:.1f}" if "total" in before else "", "seconds now": f"{total:.1f}"})
     print(f"`surgery diagnose` defaults on SmolLM2-135M, {torch.get_num_threads()} cores, workers {args.workers or 0}; "
           f"probe set-up (graph and session) {sec['probe_setup']:.1f} s of the probe")
     print(table(rows, list(rows[0])))
     rho = report["defect"]["spearman"]
     print(f"\nSpearman with the single-layer parallel dNLL (evaluation windows): C_l {rho['c']:.3f}, C_l^stream {rho['c_stream']:.3f} "
           "(more one-pass scores: benchmarks/predictor.py)")
-    if args.against:
-        import json
-
-        old = json.load(open(args.against))
+    if old:
         rows = []
         same_method = "converged" in old["critical"]["layers"][0]  # a report of this critical-point search
         for key in ("deficit", "diversity", "defect", "gate", "prefix", "ablation") + (("critical",) if same_method else ()):

@@ -45,7 +45,7 @@ def test_concurrent_runs_in_process_equal_one_run_at_a_time(fixture_path):
                   options=runtime.analysis(runtime.Options(threads=1)))
     here = dict(_leaves(_diagnose(fixture_path("llama"), **kwargs)))
     with cluster.pool(concurrent=2) as pool:
-        assert pool.parallel == 2 and pool.options(kwargs["options"]).threads >= 1
+        assert pool.parallel == 2
         there = dict(_leaves(_diagnose(fixture_path("llama"), pool=pool, **kwargs)))
     assert there.keys() == here.keys() and len(here) > 100
     for path, value in here.items():
