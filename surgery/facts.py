@@ -72,34 +72,31 @@ def describe(path: str | Path) -> ModelFacts:
 
 
 def embedding_table(model: ir.Model) -> tuple[int, int] | None:
-    """(vocab, d_model) from the token embedding: a Gather (or GatherBlockQuantized) from a 2-D weight by a graph input."""
-    nodes = sorted(model.graph, key=lambda n: not _reads_input_ids(n))  # the token table before position tables
-    for node in nodes:
+    """(vocab, d_model) from the token embedding: a Gather (or GatherBlockQuantized) from a 2-D weight by a graph
+    input, the one reading input_ids first (an ORT-optimized gpt2 lists its position table before it)."""
+    found = []
+    for node in model.graph:
         table, ids = node.inputs[0] if node.inputs else None, node.inputs[1] if len(node.inputs) > 1 else None
         if node.op_type not in ops.EMBEDDINGS or table is None or ids is None or not ops.is_weight(table):
             continue
-        if table.shape is not None and table.shape.rank() == 2 and _from_input(ids):
+        source = _input_behind(ids)
+        if table.shape is not None and table.shape.rank() == 2 and source is not None:
             vocab, width = int(table.shape[0]), int(table.shape[1])
             if node.op_type == "GatherBlockQuantized" and table.dtype in (ir.DataType.UINT8, ir.DataType.INT8):
                 bits = node.attributes["bits"].value if "bits" in node.attributes else 4
                 width = width * 8 // bits  # packed: 8 / bits values a byte
-            return vocab, width
-    return None
+            found.append((source.name != "input_ids", vocab, width))
+    return min(found, key=lambda f: f[0])[1:] if found else None  # the first one reading input_ids, else the first
 
 
-def _reads_input_ids(node: ir.Node) -> bool:
-    ids = node.inputs[1] if len(node.inputs) > 1 else None
-    while ids is not None and not ids.is_graph_input() and ids.producer() is not None and ids.producer().op_type in ("Reshape", "Cast", "Unsqueeze"):
-        ids = ids.producer().inputs[0]
-    return ids is not None and ids.name == "input_ids"
-
-
-def _from_input(value: ir.Value, depth: int = 3) -> bool:
-    """True when `value` is a graph input, maybe reshaped (dynamo writes Gather(W, Reshape(input_ids)))."""
+def _input_behind(value: ir.Value, depth: int = 3) -> ir.Value | None:
+    """The graph input `value` is, maybe reshaped (dynamo writes Gather(W, Reshape(input_ids))), or None."""
     if value.is_graph_input():
-        return True
+        return value
     node = value.producer()
-    return depth > 0 and node is not None and node.op_type in ("Reshape", "Cast", "Unsqueeze") and _from_input(node.inputs[0], depth - 1)
+    if depth > 0 and node is not None and node.op_type in ("Reshape", "Cast", "Unsqueeze"):
+        return _input_behind(node.inputs[0], depth - 1)
+    return None
 
 
 def _is_kv(value: ir.Value) -> bool:
