@@ -344,9 +344,7 @@ def evaluate(
     device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Perplexity and latency of one or more graphs on ONNX Runtime, side by side with the first."""
-    import dataclasses
-
+    """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side."""
     from surgery import data as corpus
     from surgery import evaluate as ev
     from surgery import graph, runtime
@@ -359,35 +357,21 @@ def evaluate(
     )
     options = runtime.Options(threads=threads, device=device)
     names = _short_names(models)
-    scores, timings = [], []
+    timings = []
     with _progress() as tell:
-        for name, model in zip(names, models):
-            step = _counter(tell, f"perplexity {name}", len(windows))
-            scores.append(ev.perplexity(model, windows, batch_size=batch_size, options=options, progress=step))
+        steps = [_counter(tell, f"perplexity {name}", len(windows)) for name in names]
+        scores = ev.compare(models, windows, batch_size=batch_size, options=options, progress=lambda i, n: steps[i](n))
         if latency:
             timings = ev.latency(
                 models, batch=latency_batch, seq_len=seq_len, repeats=repeats, warmup=warmup, options=options,
                 progress=_counter(tell, "latency (interleaved)", repeats),
             )
-    base = scores[0].loss
-    rows = []
-    for i, (name, score) in enumerate(zip(names, scores)):
-        interval = None if i == 0 else ev.delta(scores[0], score)  # 95 % paired bootstrap over the same windows
-        row = {
-            "model": str(models[i]), "name": name, **dataclasses.asdict(score), "dnll": score.loss - base,
-            "dnll_interval": None if interval is None else [interval.low, interval.high],
-        }
-        if timings:
-            t, t0 = timings[i], timings[0]
-            row.update(dataclasses.asdict(t))
-            row["prefill_ratio"] = t0.prefill_ms / t.prefill_ms
-            row["decode_ratio"] = t0.decode_ms / t.decode_ms if t.decode_ms and t0.decode_ms else None
-        rows.append(row)
+    rows = ev.rows(models, names, scores, timings)
     if as_json:
         print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
         return
     table = Table(show_edge=False, pad_edge=False, title=f"{windows.name}: {len(windows)} windows x {seq_len} tokens, {windows.tokens} scored", title_justify="left")
-    for column in ("model", "loss", "ppl", "dNLL", "95 % CI"):
+    for column in ("model", "loss", "ppl", "dNLL", "95 % CI", "KL", "95 % CI ", "KL p99", "top-1"):
         table.add_column(column, justify="left" if column == "model" else "right")
     if timings:
         provider = timings[0].provider.replace("ExecutionProvider", "")
@@ -399,6 +383,11 @@ def evaluate(
             row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}",
             "-" if low_high is None else escape(f"[{low_high[0]:+.4f}, {low_high[1]:+.4f}]"),
         ]
+        if row["kl"] is None:
+            cells += ["-"] * 4
+        else:
+            cells += [f"{row['kl']:.4f}", escape(f"[{row['kl_interval'][0]:.4f}, {row['kl_interval'][1]:.4f}]"),
+                      f"{row['kl_p99']:.4f}", f"{100 * row['top1_agreement']:.1f} %"]
         if timings:
             cells += [
                 f"{row['prefill_ms']:.2f}",
@@ -410,6 +399,8 @@ def evaluate(
     out.print(table)
     if timings:
         out.print(f"x = first model's median time / this model's ({repeats} interleaved repeats, batch {latency_batch}); > 1 is faster", highlight=False)
+    if len(rows) > 1:
+        out.print("KL = mean token KL(first || this), nats; top-1 = positions whose most likely next token agrees with the first's", highlight=False)
 
 
 @_command

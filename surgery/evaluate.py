@@ -19,7 +19,17 @@ from surgery.data import Windows
 from surgery.errors import SurgeryError
 
 TARGETS, NLL = "surgery_targets", "surgery_nll"
+LOGPROBS, TOP1 = "surgery_logprobs", "surgery_top1"  # every scoring graph's next-token distribution and its argmax
+REFERENCE, KL = "surgery_reference", "surgery_kl"  # a comparing graph's input (the first model's log-probs) and KL_t
 Progress = Callable[[int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The first model's next-token distribution on one batch of windows: what KL and top-1 agreement compare with."""
+
+    logprobs: np.ndarray  # [batch, seq, vocab] float32, log softmax of the logits
+    top1: np.ndarray  # [batch, seq] int64, argmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +41,15 @@ class Perplexity:
     seconds: float
     window_nll: tuple[float, ...] = ()  # summed NLL of each window's scored targets, for paired intervals
     window_tokens: tuple[int, ...] = ()
+    # Against a Reference (empty without one): summed KL(reference || this) and top-1 agreements of each
+    # window's scored positions, and every scored position's KL_t (for percentiles).
+    window_kl: tuple[float, ...] = ()
+    window_top1: tuple[int, ...] = ()
+    token_kl: tuple[float, ...] = dataclasses.field(default=(), repr=False)
+
+    def summary(self) -> dict:
+        """The numbers without the per-window and per-token tuples."""
+        return {k: getattr(self, k) for k in ("loss", "perplexity", "tokens", "windows", "seconds")}
 
 
 def joined(parts: Sequence[Perplexity]) -> Perplexity:
@@ -38,8 +57,10 @@ def joined(parts: Sequence[Perplexity]) -> Perplexity:
     sums = [s for p in parts for s in p.window_nll]
     counts = [c for p in parts for c in p.window_tokens]
     loss = sum(sums) / sum(counts)
+    kl = lambda field: tuple(x for p in parts for x in getattr(p, field))  # noqa: E731
     return Perplexity(
-        loss, math.exp(loss), sum(counts), sum(p.windows for p in parts), sum(p.seconds for p in parts), tuple(sums), tuple(counts)
+        loss, math.exp(loss), sum(counts), sum(p.windows for p in parts), sum(p.seconds for p in parts), tuple(sums), tuple(counts),
+        kl("window_kl"), kl("window_top1"), kl("token_kl"),
     )
 
 
@@ -64,14 +85,46 @@ def delta(base: Perplexity, other: Perplexity, *, resamples: int = 2000, seed: i
     if base.window_tokens != other.window_tokens:
         raise SurgeryError("dNLL needs both models scored on the same windows")
     diff = np.asarray(other.window_nll, np.float64) - np.asarray(base.window_nll, np.float64)
-    tokens = np.asarray(base.window_tokens, np.float64)
-    point = float(diff.sum() / tokens.sum())
-    if len(diff) < 2:
-        return Delta(point, point, point)
-    picks = np.random.default_rng(seed).integers(0, len(diff), size=(resamples, len(diff)))
-    samples = diff[picks].sum(1) / tokens[picks].sum(1)
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return Delta(point, float(low), float(high))
+    return Delta(*_bootstrap(diff, base.window_tokens, resamples, seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """How far a model's next-token distribution moved from the first model's, over scored positions t:
+    mean KL_t = sum_v p_first(v) (log p_first(v) - log p_this(v)) in nats, with a 95 % bootstrap interval
+    over windows, the 99th percentile of KL_t, and top-1 agreement (argmax p_first = argmax p_this)."""
+
+    kl: float
+    low: float
+    high: float
+    p99: float
+    top1: float  # fraction of scored positions
+
+    def __str__(self) -> str:
+        return f"{self.kl:.4f} [{self.low:.4f}, {self.high:.4f}]"
+
+    def to_json(self) -> dict:
+        return {"kl": self.kl, "kl_interval": [self.low, self.high], "kl_p99": self.p99, "top1_agreement": self.top1}
+
+
+def divergence(score: Perplexity, *, resamples: int = 2000, seed: int = 0) -> Divergence:
+    """The Divergence of a model scored against a Reference (Scorer with compare=True)."""
+    if not score.window_kl:
+        raise SurgeryError("KL needs the model scored against the first model's log-probs (Scorer(compare=True))")
+    kl, low, high = _bootstrap(np.asarray(score.window_kl, np.float64), score.window_tokens, resamples, seed)
+    p99 = float(np.percentile(np.asarray(score.token_kl, np.float64), 99))
+    return Divergence(kl, low, high, p99, sum(score.window_top1) / sum(score.window_tokens))
+
+
+def _bootstrap(sums: np.ndarray, tokens: Sequence[int], resamples: int, seed: int) -> tuple[float, float, float]:
+    """sum(sums) / sum(tokens) and the 2.5 / 97.5 percentiles of the same ratio over windows resampled with replacement."""
+    tokens = np.asarray(tokens, np.float64)
+    point = float(sums.sum() / tokens.sum())
+    if len(sums) < 2:
+        return point, point, point
+    picks = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
+    low, high = np.percentile(sums[picks].sum(1) / tokens[picks].sum(1), [2.5, 97.5])
+    return point, float(low), float(high)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +141,12 @@ class Latency:
     provider: str
 
 
-def scoring_model(model: ir.Model, keep: Sequence[str] = ()) -> ir.Model:
-    """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs only `surgery_nll` [batch, seq]:
-    -log softmax(logits)[target], so only one number per token leaves the session; then the outputs named in `keep`."""
+def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False) -> ir.Model:
+    """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs `surgery_nll` [batch, seq]:
+    -log softmax(logits)[target], so one number per token leaves the session; then `surgery_logprobs`
+    [batch, seq, vocab] (fetched only for a reference) and `surgery_top1` [batch, seq]; then the outputs named in `keep`.
+    compare: also take `surgery_reference` [batch, seq, vocab] (the first model's log-probs) and output
+    `surgery_kl` [batch, seq] = sum_v exp(ref) (ref - logprobs), so the vocabulary never leaves the session."""
     model = model.clone()
     g = model.graph
     logits = next((v for v in g.outputs if v.name == "logits"), None)
@@ -106,32 +162,50 @@ def scoring_model(model: ir.Model, keep: Sequence[str] = ()) -> ir.Model:
         nodes.append(ir.node("Cast", [logits], attributes={"to": ir.DataType.FLOAT}))
         scores = nodes[-1].outputs[0]
     nodes.append(ir.node("LogSoftmax", [scores], attributes={"axis": -1}))
+    logprobs = nodes[-1].outputs[0]
     nodes.append(ir.node("Unsqueeze", [targets, axis]))
-    nodes.append(ir.node("GatherElements", [nodes[-2].outputs[0], nodes[-1].outputs[0]], attributes={"axis": -1}))
+    nodes.append(ir.node("GatherElements", [logprobs, nodes[-1].outputs[0]], attributes={"axis": -1}))
     nodes.append(ir.node("Squeeze", [nodes[-1].outputs[0], axis]))
     nodes.append(ir.node("Neg", [nodes[-1].outputs[0]]))
+    nll = nodes[-1].outputs[0]
+    nodes.append(ir.node("ArgMax", [logprobs], attributes={"axis": -1, "keepdims": 0}))
+    top1 = nodes[-1].outputs[0]
+    per_token = ir.Shape(["batch_size", "sequence_length"])
+    outputs = [(nll, NLL, ir.DataType.FLOAT, per_token), (logprobs, LOGPROBS, ir.DataType.FLOAT, ir.Shape([*per_token, "vocab"])),
+               (top1, TOP1, ir.DataType.INT64, per_token)]
+    if compare:
+        reference = ir.Value(name=REFERENCE, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([*per_token, "vocab"]))
+        g.inputs.append(reference)
+        nodes.append(ir.node("Sub", [reference, logprobs]))
+        nodes.append(ir.node("Exp", [reference]))
+        nodes.append(ir.node("Mul", [nodes[-1].outputs[0], nodes[-2].outputs[0]]))
+        nodes.append(ir.node("ReduceSum", [nodes[-1].outputs[0], axis], attributes={"keepdims": 0}))
+        outputs.append((nodes[-1].outputs[0], KL, ir.DataType.FLOAT, per_token))
     for i, node in enumerate(nodes):
         node.name = node.outputs[0].name = f"surgery/evaluate/{i}_{node.op_type}"
-    nll = nodes[-1].outputs[0]
-    nll.name, nll.dtype, nll.shape = NLL, ir.DataType.FLOAT, ir.Shape(["batch_size", "sequence_length"])
+    for value, name, dtype, shape in outputs:
+        value.name, value.dtype, value.shape = name, dtype, shape
     g.extend(nodes)
     g.inputs.append(targets)
     kept = [v for name in keep for v in g.outputs if v.name == name]
     g.outputs.clear()
-    g.outputs.extend([nll, *kept])
+    g.outputs.extend([v for v, *_ in outputs] + kept)
     RemoveUnusedNodesPass()(model)  # drops the KV cache outputs' own nodes
     return model
 
 
 class Scorer:
     """One session that scores token windows under a model; reuse it for many windows or switch settings.
-    keep: outputs of `model` that a call can also hand back (see `kept`)."""
+    keep: outputs of `model` that a call can also hand back (see `kept`).
+    compare: the session also takes the first model's log-probs, for KL and top-1 agreement (see `reference`)."""
 
-    def __init__(self, model: ir.Model | str | Path, options: runtime.Options = runtime.Options(), keep: Sequence[str] = ()):
+    def __init__(
+        self, model: ir.Model | str | Path, options: runtime.Options = runtime.Options(), keep: Sequence[str] = (), compare: bool = False
+    ):
         if not isinstance(model, ir.Model):
             model = graph.load(model)
-        self.keep = tuple(keep)
-        self.session = runtime.session(scoring_model(model, self.keep), options)
+        self.keep, self.compare = tuple(keep), compare
+        self.session = runtime.session(scoring_model(model, self.keep, compare), options)
 
     def __call__(
         self,
@@ -141,28 +215,45 @@ class Scorer:
         extra: dict[str, np.ndarray] | None = None,
         progress: Progress | None = None,
         kept: dict[str, np.ndarray] | None = None,
+        reference: Sequence[Reference] | None = None,
+        record: list[Reference] | None = None,
     ) -> Perplexity:
         """Token-weighted mean NLL (nats) of `windows`; `extra` feeds inputs a diagnostic graph added.
-        `kept`, when given, receives the `keep` outputs of the last batch, by name."""
+        `kept`, when given, receives the `keep` outputs of the last batch, by name.
+        reference: one Reference per batch (of `batch_size` windows), the first model's on the same windows:
+        the result then also holds KL and top-1 agreement. record: receives this model's Reference of each batch."""
+        if reference is not None and not self.compare:
+            raise SurgeryError("a Scorer compares with a reference only when built with compare=True")
         start = time.perf_counter()
-        sums, counts = [], []
+        sums, counts, kl_sums, agree, token_kl = [], [], [], [], []
         positions = np.arange(windows.seq_len)
-        for lo in range(0, len(windows), batch_size):
+        for batch, lo in enumerate(range(0, len(windows), batch_size)):
             ids = windows.ids[lo : lo + batch_size]
             targets = np.zeros_like(ids)
             targets[:, :-1] = ids[:, 1:]  # position t predicts token t + 1; the last position predicts nothing
-            feed = runtime.feeds(self.session, ids, extra={TARGETS: targets, **(extra or {})})
-            nll, *outputs = self.session.run([NLL, *(self.keep if kept is not None else ())], feed)
+            ref = None if reference is None else reference[batch]
+            feed = runtime.feeds(self.session, ids, extra={TARGETS: targets, **(extra or {}), **({REFERENCE: ref.logprobs} if ref else {})})
+            names = [NLL, TOP1, *([KL] if ref else []), *([LOGPROBS] if record is not None else []), *(self.keep if kept is not None else ())]
+            out = dict(zip(names, self.session.run(names, feed)))
             if kept is not None:
-                kept.update(zip(self.keep, outputs))
+                kept.update({name: out[name] for name in self.keep})
+            if record is not None:
+                record.append(Reference(out[LOGPROBS], out[TOP1]))
             first = windows.score_from[lo : lo + batch_size, None]
             scored = (positions[None, :] >= first) & (positions[None, :] < windows.seq_len - 1)
-            sums += [float(s) for s in np.where(scored, nll, 0).astype(np.float64).sum(1)]
+            sums += [float(s) for s in np.where(scored, out[NLL], 0).astype(np.float64).sum(1)]
             counts += [int(c) for c in scored.sum(1)]
+            if ref is not None:
+                kl_sums += [float(s) for s in np.where(scored, out[KL], 0).astype(np.float64).sum(1)]
+                agree += [int(a) for a in (scored & (out[TOP1] == ref.top1)).sum(1)]
+                token_kl += [float(k) for k in out[KL][scored]]
             if progress:
                 progress(len(ids))
         loss = sum(sums) / sum(counts)
-        return Perplexity(loss, math.exp(loss), sum(counts), len(windows), time.perf_counter() - start, tuple(sums), tuple(counts))
+        return Perplexity(
+            loss, math.exp(loss), sum(counts), len(windows), time.perf_counter() - start, tuple(sums), tuple(counts),
+            tuple(kl_sums), tuple(agree), tuple(token_kl),
+        )
 
 
 def perplexity(
@@ -175,6 +266,47 @@ def perplexity(
 ) -> Perplexity:
     """Token-weighted mean NLL (nats) of `windows` under `model`, computed by ONNX Runtime."""
     return Scorer(model, options)(windows, batch_size=batch_size, progress=progress)
+
+
+def compare(
+    models: Sequence[ir.Model | str | Path],
+    windows: Windows,
+    *,
+    batch_size: int = 1,
+    options: runtime.Options = runtime.Options(),
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Perplexity]:
+    """The Perplexity of each model on `windows`, every model after the first also scored against the first's
+    next-token distribution (KL, top-1 agreement: see `divergence`). One forward pass per model and batch;
+    batch by batch, so only one batch's log-probs are held at a time. progress(model index, windows done)."""
+    scorers = [Scorer(m, options, compare=i > 0) for i, m in enumerate(models)]
+    parts: list[list[Perplexity]] = [[] for _ in models]
+    for lo in range(0, len(windows), batch_size):
+        batch = windows.take(range(lo, min(lo + batch_size, len(windows))))
+        reference: list[Reference] = []
+        for i, scorer in enumerate(scorers):
+            parts[i].append(scorer(batch, batch_size=batch_size, record=reference if i == 0 else None, reference=reference if i else None))
+            if progress:
+                progress(i, len(batch))
+    return [joined(p) for p in parts]
+
+
+def rows(models: Sequence, names: Sequence[str], scores: Sequence[Perplexity], timings: Sequence[Latency] = ()) -> list[dict]:
+    """What `surgery evaluate` prints per model, from `compare` (and `latency`): loss, dNLL vs the first with its
+    interval, KL / its interval / p99 / top-1 agreement vs the first (None for the first), latency and ratios."""
+    out = []
+    for i, (model, name, score) in enumerate(zip(models, names, scores)):
+        d = None if i == 0 else delta(scores[0], score)
+        row = {"model": str(model), "name": name, **score.summary(), "dnll": score.loss - scores[0].loss,
+               "dnll_interval": None if d is None else [d.low, d.high]}
+        row |= divergence(score).to_json() if i else {"kl": None, "kl_interval": None, "kl_p99": None, "top1_agreement": None}
+        if timings:
+            t, t0 = timings[i], timings[0]
+            row.update(dataclasses.asdict(t))
+            row["prefill_ratio"] = t0.prefill_ms / t.prefill_ms
+            row["decode_ratio"] = t0.decode_ms / t.decode_ms if t.decode_ms and t0.decode_ms else None
+        out.append(row)
+    return out
 
 
 def latency(

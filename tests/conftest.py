@@ -58,3 +58,31 @@ def smollm2_fp16(smollm2, tmp_path_factory):
         folder = export.export("smollm2-135m", tmp_path_factory.mktemp("smollm2-fp16") / "onnx", dtype="fp16").folder
     _LOADED.clear()
     return folder
+
+
+def _numpy_divergence(first, other, windows) -> dict:
+    """Mean token KL(first || other), its 99th percentile and top-1 agreement over the scored positions of
+    `windows`, from each graph's raw logits with log-softmax in float64 NumPy."""
+    import numpy as np
+
+    from surgery import runtime
+
+    sessions = [runtime.session(m) for m in (first, other)]
+    kl, agree = [], []
+    for row, start in zip(windows.ids, windows.score_from):
+        logp = []
+        for sess in sessions:
+            logits = sess.run(["logits"], runtime.feeds(sess, row[None]))[0][0].astype(np.float64)
+            shifted = logits - logits.max(-1, keepdims=True)
+            logp.append(shifted - np.log(np.exp(shifted).sum(-1, keepdims=True)))
+        scored = slice(start, len(row) - 1)
+        p, q = logp[0][scored], logp[1][scored]
+        kl += list((np.exp(p) * (p - q)).sum(-1))
+        agree += list(p.argmax(-1) == q.argmax(-1))
+    return {"kl": float(np.mean(kl)), "p99": float(np.percentile(kl, 99)), "top1": float(np.mean(agree))}
+
+
+@pytest.fixture
+def numpy_divergence():
+    """numpy_divergence(first, other, windows) -> {"kl", "p99", "top1"}: the independent reference for evaluate's KL."""
+    return _numpy_divergence

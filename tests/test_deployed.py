@@ -252,3 +252,20 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
     chosen = outcome.selection
     assert chosen.layers and set(chosen.forms.values()) == {"plain"}
     assert all(chosen.fits[layer].fix is None and "MatMulNBits" in chosen.fits[layer].note for layer in range(3))
+
+
+@pytest.mark.parametrize("name", ["genai-fp32", "genai-int4"])
+def test_kl_and_top1_agreement_equal_numpy_on_genai_graphs(builds, name, tmp_path, numpy_divergence):
+    """evaluate's KL, p99 KL and top-1 agreement on GenAI builder graphs (GroupQueryAttention, MatMulNBits)
+    equal float64 NumPy on the raw logits of the original and a parallelized copy."""
+    from surgery import data, evaluate
+
+    folder = builds.variant(name)
+    rewritten = graph.write(parallelize(graph.load(folder), [0, 1]).model, tmp_path / "parallel", like=folder)
+    w = data.windows(folder, seq_len=32, max_windows=4)
+    _, other = evaluate.compare([folder, rewritten], w)
+    got, expected = evaluate.divergence(other), numpy_divergence(folder, rewritten, w)
+    assert got.kl > 1e-5
+    assert got.kl == pytest.approx(expected["kl"], rel=1e-5, abs=1e-7)
+    assert got.p99 == pytest.approx(expected["p99"], rel=1e-5, abs=1e-6)
+    assert got.top1 == pytest.approx(expected["top1"])

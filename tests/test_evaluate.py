@@ -170,3 +170,24 @@ def test_graph_without_kv_cache_gets_prefill_only(tmp_path):
     assert shown.exit_code == 0, shown.output
     (row,) = __import__("json").loads(shown.stdout)["models"]
     assert row["decode_ms"] is None and row["decode_ratio"] is None and row["prefill_ratio"] == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_kl_and_top1_agreement_equal_numpy_on_the_raw_logits(fixture_path, family, tmp_path, numpy_divergence):
+    """KL(first || rewritten), its p99 and top-1 agreement, computed inside the scoring graphs batch by batch,
+    equal float64 NumPy on both graphs' logits; the first model against itself is 0 KL and full agreement."""
+    folder = fixture_path(family)
+    w = data.windows(folder, seq_len=40, stride=30, max_windows=5)
+    rewritten = tmp_path / "mlp-scaled.onnx"
+    graph.save(project(graph.load(folder), "attn", "scale", [0, 1], scale=3.0).model, rewritten)
+    base, same, other = evaluate.compare([folder, folder, rewritten], w)  # batch 1, as the NumPy side runs
+    expected = numpy_divergence(folder, rewritten, w)
+    got = evaluate.divergence(other)
+    assert got.kl > 1e-4 and got.low <= got.kl <= got.high
+    assert got.kl == pytest.approx(expected["kl"], rel=1e-5, abs=1e-7)
+    # one position's KL_t carries the float32 rounding of log-probs near -log(vocab): ~5e-7
+    assert got.p99 == pytest.approx(expected["p99"], rel=1e-5, abs=1e-6)
+    assert got.top1 == pytest.approx(expected["top1"])
+    assert other.loss == pytest.approx(evaluate.perplexity(rewritten, w).loss, abs=1e-6) and base.window_kl == ()
+    itself = evaluate.divergence(same)
+    assert abs(itself.kl) < 1e-6 and itself.top1 == 1.0
