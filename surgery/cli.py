@@ -206,13 +206,14 @@ def parallelize(
     compensate: Annotated[Optional[bool], typer.Option("--compensate/--no-compensate", help="Fold a least-squares fix of each block's defect into W_o and W_down (default: on for auto, off for explicit --layers).")] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Fix each block with the paper's scalar gate alpha_l instead of the least-squares fix.")] = False,
     fuse: Annotated[bool, typer.Option("--fuse", help="One normalisation and two MatMuls per block, ln scales folded into the weights.")] = False,
-    max_loss_increase: Annotated[float, typer.Option(help="auto: largest dNLL (nats, selection windows) the chosen set may cost.")] = 0.02,
+    max_kl: Annotated[str, typer.Option(help="auto: largest mean token KL vs the original (nats, selection windows) the chosen set may cost; `none`: no limit.")] = "0.05",
+    max_loss_increase: Annotated[str, typer.Option(help="auto: largest dNLL (nats, selection windows) the chosen set may cost; `none`: no limit. Both limits must hold.")] = "0.02",
     max_layers: Annotated[Optional[int], typer.Option(help="auto: choose at most this many blocks.")] = None,
     protect_first: Annotated[int, typer.Option(help="auto: never choose the first N blocks.")] = 0,
     protect_last: Annotated[int, typer.Option(help="auto: never choose the last N blocks.")] = 0,
     score: Annotated[Optional[str], typer.Option(help="auto: ranking score, `c_comp` (default when compensating), `c_stream` (default otherwise) or `c`.")] = None,
     try_both_forms: Annotated[bool, typer.Option("--try-both-forms", help="auto: try every candidate compensated and plain and keep the better (twice the trials).")] = False,
-    refit: Annotated[bool, typer.Option("--refit", help="auto: refit the chosen blocks' fixes with all chosen blocks in place; kept if the selection dNLL drops.")] = False,
+    refit: Annotated[bool, typer.Option("--refit", help="auto: refit the chosen blocks' fixes with all chosen blocks in place; kept if the selection KL (dNLL when only that is limited) drops.")] = False,
     data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 32,
@@ -237,6 +238,7 @@ def parallelize(
         raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
     fit = "gate" if calibrate else ("full" if (compensate if compensate is not None else not explicit) else None)
     options = runtime.Options(threads=threads)
+    budget = select.Budget.parse(max_kl, max_loss_increase)
     if explicit:
         def apply(m, chosen):
             fixes = None
@@ -249,7 +251,7 @@ def parallelize(
     with _progress() as tell:
         outcome, written = select.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
-            fit=fit, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers, protect_first=protect_first,
+            fit=fit, score=score, budget=budget, max_layers=max_layers, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
             tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray,
         )
@@ -267,13 +269,17 @@ def parallelize(
         ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
         ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} candidates, {len(sel.trials)} trials, {len(sel.layers)} kept"),
         ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''})"),
-        ("dNLL selection", f"{sel.dnll} nats (95 % interval; limit {max_loss_increase} on the point estimate)"),
+        ("budget", f"{budget} nats on the selection windows' point estimates"),
     ]
+    if sel.divergence is not None:
+        lines.append(("selection", f"KL {sel.divergence}, top-1 {100 * sel.divergence.top1:.1f} %, dNLL {sel.dnll} ({w['selection']['tokens']} tokens)"))
     if sel.refit:
         r = sel.refit
-        lines.append(("refit", f"{r['dnll_before']['dnll']:+.4f} -> {r['dnll_after']['dnll']:+.4f} on the selection windows: {'kept' if r['kept'] else 'not kept'}"))
+        lines.append(("refit", f"KL {r['kl_before']['kl']:.4f} -> {r['kl_after']['kl']:.4f}, dNLL {r['dnll_before']['dnll']:+.4f} -> "
+                               f"{r['dnll_after']['dnll']:+.4f} on the selection windows: {'kept' if r['kept'] else 'not kept'}"))
     lines += [
-        ("dNLL evaluation", f"{outcome.dnll_eval} nats on {outcome.eval_tokens} held-out tokens (base loss {outcome.base_loss_eval:.4f})"),
+        ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
+                       f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}; 95 % intervals, nats)"),
         ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times)"),
     ]
     if outcome.prefill_ratio is not None:

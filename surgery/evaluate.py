@@ -232,7 +232,10 @@ class Scorer:
             targets = np.zeros_like(ids)
             targets[:, :-1] = ids[:, 1:]  # position t predicts token t + 1; the last position predicts nothing
             ref = None if reference is None else reference[batch]
-            feed = runtime.feeds(self.session, ids, extra={TARGETS: targets, **(extra or {}), **({REFERENCE: ref.logprobs} if ref else {})})
+            compared = {}
+            if self.compare:  # without a reference, a [batch, seq, 1] stand-in that broadcasts (its KL is not fetched)
+                compared[REFERENCE] = ref.logprobs if ref else np.zeros((*ids.shape, 1), np.float32)
+            feed = runtime.feeds(self.session, ids, extra={TARGETS: targets, **(extra or {}), **compared})
             names = [NLL, TOP1, *([KL] if ref else []), *([LOGPROBS] if record is not None else []), *(self.keep if kept is not None else ())]
             out = dict(zip(names, self.session.run(names, feed)))
             if kept is not None:
@@ -254,6 +257,16 @@ class Scorer:
             loss, math.exp(loss), sum(counts), len(windows), time.perf_counter() - start, tuple(sums), tuple(counts),
             tuple(kl_sums), tuple(agree), tuple(token_kl),
         )
+
+    def recording(self, windows: Windows, **kwargs) -> tuple[Perplexity, list[Reference]]:
+        """Score `windows` and hand back this model's Reference of each batch (for a pool of actors, where a
+        `record` list would stay on the actor)."""
+        record: list[Reference] = []
+        return self(windows, record=record, **kwargs), record
+
+    def against(self, windows: Windows, reference: Sequence[Reference], **kwargs) -> Perplexity:
+        """Score `windows` against the first model's References, one per batch."""
+        return self(windows, reference=reference, **kwargs)
 
 
 def perplexity(

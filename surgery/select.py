@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,49 @@ class Trial:
     low: float  # 95 % paired bootstrap interval over the selection windows
     high: float
     kept: bool
+    kl: float = float("nan")  # mean token KL(original || chosen set plus this layer), selection windows
+    kl_low: float = float("nan")  # its 95 % bootstrap interval over the selection windows
+    kl_high: float = float("nan")
+    top1: float = float("nan")  # top-1 agreement with the original
+    round: int = 0  # 0: fixes fitted on the original stream; 1, 2, ...: after that many drift refits
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What the chosen set may cost on the selection windows, on point estimates: mean token KL vs the original
+    (nats) and dNLL (nats); None switches a limit off. Both must hold."""
+
+    max_kl: float | None = 0.05
+    max_loss_increase: float | None = 0.02
+
+    def __post_init__(self):
+        for flag, limit in (("--max-kl", self.max_kl), ("--max-loss-increase", self.max_loss_increase)):
+            if limit is not None and not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+                raise SurgeryError(f"{flag} {limit}: give a positive number of nats, or `none` to switch the limit off")
+
+    @staticmethod
+    def parse(max_kl: str | float | None, max_loss_increase: str | float | None) -> "Budget":
+        """A Budget from command-line values: numbers, or `none`."""
+        def read(flag, text):
+            if text is None or str(text).strip().lower() == "none":
+                return None
+            try:
+                return float(text)
+            except ValueError:
+                raise SurgeryError(f"cannot read {flag} {text!r}: give a positive number of nats, or `none`") from None
+
+        return Budget(read("--max-kl", max_kl), read("--max-loss-increase", max_loss_increase))
+
+    def __str__(self) -> str:
+        limits = [f"KL <= {self.max_kl}" if self.max_kl is not None else "", f"dNLL <= {self.max_loss_increase}" if self.max_loss_increase is not None else ""]
+        return " and ".join(x for x in limits if x) or "no limit"
+
+    def holds(self, d: Delta, kl: evaluate.Divergence) -> bool:
+        return (self.max_kl is None or kl.kl <= self.max_kl) and (self.max_loss_increase is None or d.dnll <= self.max_loss_increase)
+
+    def cost(self, d: Delta, kl: evaluate.Divergence) -> float:
+        """What "better" means between passing forms or fixes: KL when it is limited, else dNLL."""
+        return kl.kl if self.max_kl is not None or self.max_loss_increase is None else d.dnll
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +107,7 @@ class Selection:
     trials: tuple[Trial, ...]
     base_loss: float  # selection windows
     dnll: Delta  # of the chosen set, selection windows
+    divergence: evaluate.Divergence | None  # of the chosen set vs the original, selection windows (None: nothing chosen)
     refit: dict | None  # what the sequential refit did, when asked for
     fit_passes: int  # over the fit windows
     forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
@@ -89,6 +134,7 @@ class Selection:
         return {
             "layers": list(self.layers), "forms": {str(k): v for k, v in sorted(self.forms.items())},
             "score": self.score, "fit": self.fit, "base_loss": self.base_loss, "dnll": self.dnll.to_json(),
+            "divergence": None if self.divergence is None else self.divergence.to_json(),
             "refit": self.refit, "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
@@ -98,7 +144,7 @@ BATCH = 4  # selection windows scored together: one job for a Ray actor
 
 
 def _scorers(pool: cluster.Pool, board: ir.Model, options: runtime.Options):
-    return pool.actors(board, functools.partial(evaluate.Scorer, options=pool.options(options)))
+    return pool.actors(board, functools.partial(evaluate.Scorer, options=pool.options(options), compare=True))
 
 
 def select_layers(
@@ -108,7 +154,7 @@ def select_layers(
     fit_windows: Windows | None = None,
     fit: str | None = "full",
     score: str | None = None,
-    max_loss_increase: float = 0.02,
+    budget: Budget = Budget(),
     max_layers: int | None = None,
     protect_first: int = 0,
     protect_last: int = 0,
@@ -155,31 +201,39 @@ def select_layers(
     scorers = _scorers(pool, graphs.switchboard(model, KINDS, fixes), options)
     passes = 0
 
-    def loss(forms: dict[int, str], scorers=scorers) -> evaluate.Perplexity:
+    batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
+    reference: list[evaluate.Reference] = []  # the original's log-probs on each batch: [BATCH, seq, vocab] float32
+
+    def loss(forms: dict[int, str], scorers=scorers) -> tuple[Delta, evaluate.Divergence]:
         nonlocal passes
         passes += 1
         on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
         extra = {graphs.SWITCHES: graphs.switches(KINDS, n, on)}
-        batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
-        return evaluate.joined(list(scorers.map("__call__", [(batch,) for batch in batches], batch_size=BATCH, extra=extra)))
+        jobs = [(batch, [ref]) for batch, ref in zip(batches, reference)]
+        p = evaluate.joined(list(scorers.map("against", jobs, batch_size=BATCH, extra=extra)))
+        return evaluate.delta(base, p), evaluate.divergence(p)
 
-    base = loss({})
+    parts = list(scorers.map("recording", [(batch,) for batch in batches], batch_size=BATCH,
+                             extra={graphs.SWITCHES: graphs.switches(KINDS, n)}))
+    passes += 1
+    base = evaluate.joined([p for p, _ in parts])
+    reference += [r for _, refs in parts for r in refs]
     chosen: dict[int, str] = {}
     trials: list[Trial] = []
-    current = Delta(0.0, 0.0, 0.0)
+    current, current_kl = Delta(0.0, 0.0, 0.0), None
     for i, layer in enumerate(candidates):
         if max_layers is not None and len(chosen) >= max_layers:
             break
         passing = []
         for form in _forms(layer, fits, try_both):
-            d = evaluate.delta(base, loss({**chosen, layer: form}))
-            trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False))
-            if d.dnll <= max_loss_increase:
-                passing.append((d.dnll, form, d, len(trials) - 1))
+            d, kl = loss({**chosen, layer: form})
+            trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1))
+            if budget.holds(d, kl):
+                passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
                 if not try_both:
                     break
         if passing:
-            _, form, current, index = min(passing, key=lambda p: p[0])
+            _, form, current, current_kl, index = min(passing, key=lambda p: p[0])
             chosen[layer] = form
             trials[index] = dataclasses.replace(trials[index], kept=True)
         tell("greedy selection", i + 1, len(candidates))
@@ -194,12 +248,12 @@ def select_layers(
                                  progress=lambda d, t: tell("refit (one pass)", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
-        result = loss(chosen, _scorers(pool, graphs.switchboard(model, KINDS, new_fixes), options))
-        d = evaluate.delta(base, result)
-        kept = d.dnll < current.dnll
-        refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(), "kept": kept}
+        d, kl = loss(chosen, _scorers(pool, graphs.switchboard(model, KINDS, new_fixes), options))
+        kept = budget.cost(d, kl) < budget.cost(current, current_kl)
+        refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(),
+                        "kl_before": current_kl.to_json(), "kl_after": kl.to_json(), "kept": kept}
         if kept:
-            fits, current = new_fits, d
+            fits, current, current_kl = new_fits, d, kl
         seconds["refit"] = time.perf_counter() - start
     return Selection(
         layers=tuple(sorted(chosen)),
@@ -214,6 +268,7 @@ def select_layers(
         trials=tuple(trials),
         base_loss=base.loss,
         dnll=current,
+        divergence=current_kl,
         refit=refit_report,
         fit_passes=(1 if fit else 0) + (1 if refit_report else 0),
         forward_passes=passes,
@@ -259,6 +314,7 @@ class Outcome:
     base_loss_eval: float
     dnll_eval: Delta  # held-out evaluation windows, 95 % paired bootstrap interval
     eval_tokens: int
+    divergence_eval: evaluate.Divergence  # KL vs the original, p99, top-1 agreement on the evaluation windows
     estimated_speedup: float  # the paper's max(t_attn, t_mlp) estimate, from per-branch kernel times
     prefill_ratio: float | None  # original / rewritten, one interleaved run
     decode_ratio: float | None
@@ -270,6 +326,7 @@ class Outcome:
         data["selection"] = self.selection.to_json()
         data["dnll_eval"] = self.dnll_eval.dnll
         data["dnll_eval_interval"] = [self.dnll_eval.low, self.dnll_eval.high]
+        data["divergence_eval"] = self.divergence_eval.to_json()
         return data
 
 
@@ -284,7 +341,7 @@ def auto(
     eval_windows: int = 8,
     fit: str | None = "full",
     score: str | None = None,
-    max_loss_increase: float = 0.02,
+    budget: Budget = Budget(),
     max_layers: int | None = None,
     protect_first: int = 0,
     protect_last: int = 0,
@@ -318,15 +375,19 @@ def auto(
     ev = get("evaluation", eval_windows)
     with cluster.pool(workers, ray) as pool:
         selection = select_layers(
-            model, sel, fit_windows=fit_part, fit=fit, score=score, max_loss_increase=max_loss_increase, max_layers=max_layers,
+            model, sel, fit_windows=fit_part, fit=fit, score=score, budget=budget, max_layers=max_layers,
             protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
             pool=pool,
         )
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
-    base = evaluate.perplexity(model, ev, options=options, progress=lambda n: tell("evaluation windows", n, 2 * len(ev)))
-    after = evaluate.perplexity(rewritten, ev, options=options)
-    tell("evaluation windows", 2 * len(ev), 2 * len(ev))
+    done = [0]
+
+    def step(i, n):
+        done[0] += n
+        tell("evaluation windows", done[0], 2 * len(ev))
+
+    base, after = evaluate.compare([model, rewritten], ev, options=options, progress=step)
     estimate = evaluate.branch_times(model, seq_len=seq_len, runs=3).estimated_speedup(selection.layers)
     prefill = decode = timing = None
     if measure_latency:
@@ -338,7 +399,8 @@ def auto(
     kinds = {"full": "compensated", "gate": "calibrated", None: "plain"}
     form = ("fused " if fused else "") + kinds[fit]
     described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
-    outcome = Outcome(selection, form, base.loss, evaluate.delta(base, after), ev.tokens, estimate, prefill, decode, timing, described)
+    outcome = Outcome(selection, form, base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after), estimate, prefill, decode,
+                      timing, described)
     report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
     written = graph.write(rewritten, out, like=model_path, extra={report: json.dumps(outcome.to_json(), indent=2)})
     return outcome, written

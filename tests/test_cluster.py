@@ -82,7 +82,7 @@ def test_auto_selection_on_ray_actors_equals_the_in_process_run(fixture_path, tm
     pytest.importorskip("ray")
     from surgery import select
 
-    kwargs = dict(seq_len=32, fit_windows=4, windows=8, eval_windows=2, measure_latency=False, max_loss_increase=1.0)
+    kwargs = dict(seq_len=32, fit_windows=4, windows=8, eval_windows=2, measure_latency=False, budget=Budget(None, 1.0))
     here, _ = select.auto(fixture_path("llama"), tmp_path / "here", options=runtime.Options(threads=1), **kwargs)
     there, _ = select.auto(fixture_path("llama"), tmp_path / "there", workers=2, **kwargs)
     assert there.selection.layers == here.selection.layers and len(here.selection.trials) >= 3

@@ -10,7 +10,7 @@ from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.passes import Fix, fuse, parallelize, project
-from surgery.select import _forms, rewrite, select_layers
+from surgery.select import Budget, _forms, rewrite, select_layers
 
 runner = CliRunner()
 
@@ -24,7 +24,7 @@ def test_greedy_selection_keeps_only_what_fits(fixture_path):
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=32, max_windows=3, part="calibration")
-    everything = select_layers(model, windows, fit=None, max_loss_increase=10.0)
+    everything = select_layers(model, windows, fit=None, budget=Budget(None, 10.0))
     assert everything.layers == (0, 1, 2) and everything.forward_passes == 1 + 3
     scores = [everything.c_stream[t.layer] for t in everything.trials]
     assert scores == sorted(scores)  # lowest defect first
@@ -33,11 +33,11 @@ def test_greedy_selection_keeps_only_what_fits(fixture_path):
     assert everything.dnll.dnll == pytest.approx(evaluate.perplexity(parallelize(model, everything.layers).model, windows).loss - base, abs=1e-5)
     assert everything.dnll.low <= everything.dnll.dnll <= everything.dnll.high
 
-    nothing = select_layers(model, windows, fit=None, max_loss_increase=-1.0)
+    nothing = select_layers(model, windows, fit=None, budget=Budget(1e-9, None))
     assert nothing.layers == () and not any(t.kept for t in nothing.trials) and len(nothing.trials) == 3
-    capped = select_layers(model, windows, fit=None, max_loss_increase=10.0, max_layers=1)
+    capped = select_layers(model, windows, fit=None, budget=Budget(None, 10.0), max_layers=1)
     assert len(capped.layers) == 1 and capped.layers[0] == everything.trials[0].layer
-    protected = select_layers(model, windows, fit=None, max_loss_increase=10.0, protect_first=1, protect_last=1)
+    protected = select_layers(model, windows, fit=None, budget=Budget(None, 10.0), protect_first=1, protect_last=1)
     assert protected.layers == (1,)
 
 
@@ -45,7 +45,7 @@ def test_parallel_models_have_nothing_to_select(fixture_path):
     path = fixture_path("gpt_neox_parallel")
     windows = data.windows(path, seq_len=32, max_windows=2, part="calibration")
     for fit in (None, "full"):
-        selection = select_layers(graph.load(path), windows, fit_windows=windows, fit=fit, max_loss_increase=10.0)
+        selection = select_layers(graph.load(path), windows, fit_windows=windows, fit=fit, budget=Budget(None, 10.0))
         assert selection.layers == () and selection.trials == () and selection.c == (None, None, None)
 
 
@@ -139,6 +139,29 @@ def test_auto_command_writes_the_model_and_selection_json(tmp_path, fixture_path
     ev = data.windows(fixture_path("gpt2"), seq_len=32, max_windows=2, part="evaluation")
     measured = evaluate.perplexity(out, ev).loss - evaluate.perplexity(fixture_path("gpt2"), ev).loss
     assert saved["dnll_eval"] == pytest.approx(measured, abs=1e-6)
+    kl = evaluate.divergence(evaluate.compare([fixture_path("gpt2"), out], ev)[1])
+    assert saved["divergence_eval"]["kl"] == pytest.approx(kl.kl, rel=1e-5) and saved["divergence_eval"]["top1_agreement"] == kl.top1
+    assert all(t["kl_low"] <= t["kl"] <= t["kl_high"] for t in saved["selection"]["trials"])
+
+
+def test_a_kl_budget_keeps_the_chosen_set_inside_it(fixture_path):
+    """With only --max-kl, every kept trial's set is within it and every rejected one beyond it."""
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=32, max_windows=4, part="calibration")
+    free = select_layers(model, windows, fit=None, budget=Budget(None, 10.0))
+    limit = sorted(t.kl for t in free.trials)[1] * 1.01  # between the trials' KLs: binding, not everything
+    chosen = select_layers(model, windows, fit=None, budget=Budget(limit, None))
+    assert 0 < len(chosen.layers) < 3 and chosen.divergence.kl <= limit
+    assert all((t.kl <= limit) == t.kept for t in chosen.trials)
+
+
+@pytest.mark.parametrize("flag, value", [("--max-kl", "0"), ("--max-kl", "-0.1"), ("--max-kl", "nan"), ("--max-kl", "lots"),
+                                         ("--max-loss-increase", "-1"), ("--max-loss-increase", "inf")])
+def test_a_budget_that_is_not_a_positive_number_is_one_line(fixture_path, tmp_path, flag, value):
+    result = runner.invoke(app, ["parallelize", str(fixture_path("llama")), "-o", str(tmp_path / "out"), flag, value])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and flag in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_auto_on_a_bare_onnx_file(tmp_path, fixture_path):
@@ -162,7 +185,7 @@ def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_pat
     cal = data.windows(path, seq_len=32, max_windows=20, part="calibration")
     fit_windows, windows = data.deal(cal, [16, 4], ["fit", "selection"])
     assert not set(fit_windows.starts) & set(windows.starts)
-    selection = select_layers(model, windows, fit_windows=fit_windows, max_loss_increase=10.0, try_both=True)
+    selection = select_layers(model, windows, fit_windows=fit_windows, budget=Budget(None, 10.0), try_both=True)
     assert selection.layers == (0, 1, 2) and set(selection.forms.values()) <= {"compensated", "plain"}
     assert [t.form for t in selection.trials] == ["compensated", "plain"] * 3  # both forms, every candidate
     assert selection.score == "c_comp"
@@ -173,8 +196,12 @@ def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_pat
         fixes = {t.layer: selection.fits[t.layer].fix} if t.form == "compensated" else {}
         graph_dnll = evaluate.perplexity(rewrite(model, [t.layer], fixes=fixes).model, windows).loss - base.loss
         assert t.dnll == pytest.approx(graph_dnll, abs=1e-5)
+        kl = evaluate.divergence(evaluate.compare([model, rewrite(model, [t.layer], fixes=fixes).model], windows)[1])
+        assert (t.kl, t.top1) == (pytest.approx(kl.kl, rel=1e-4, abs=1e-7), pytest.approx(kl.top1))
     written = rewrite(model, selection.layers, fixes=selection.fixes).model
     assert selection.dnll.dnll == pytest.approx(evaluate.perplexity(written, windows).loss - base.loss, abs=1e-5)
+    kl = evaluate.divergence(evaluate.compare([model, written], windows)[1])
+    assert selection.divergence.kl == pytest.approx(kl.kl, rel=1e-4, abs=1e-7)
     kept = [t for t in selection.trials if t.kept]
     assert sorted((t.layer, t.form) for t in kept) == sorted(selection.forms.items())
     assert all(t.dnll == min(u.dnll for u in selection.trials if u.layer == t.layer) for t in kept)  # the better form
@@ -197,7 +224,7 @@ def test_refit_with_the_chosen_blocks_in_place(fixture_path):
     path = fixture_path("gpt2")
     model = graph.load(path)
     fit_windows, windows = data.deal(data.windows(path, seq_len=32, max_windows=20, part="calibration"), [16, 4], ["fit", "selection"])
-    selection = select_layers(model, windows, fit_windows=fit_windows, max_loss_increase=10.0, refit=True)
+    selection = select_layers(model, windows, fit_windows=fit_windows, budget=Budget(None, 10.0), refit=True)
     r = selection.refit
     assert r is not None and r["layers"] == sorted(l for l, f in selection.forms.items() if f == "compensated")
     assert r["dnll_before"]["dnll"] != r["dnll_after"]["dnll"]  # the refit changed the fixes
