@@ -16,6 +16,12 @@ Memory: each layer's sums take 2 (2d + 1)(3d + 1) doubles: 32 MB at d_model 576,
 Layers are fitted in chunks that stay within `memory_bytes` (one pass over the windows per chunk,
 at least one layer per chunk), so the bound is max(memory_bytes, one layer's sums).
 Token 0 (the attention sink) is left out, as in every diagnostic.
+
+Drift-correcting fit (`drift`): with chosen blocks already rewritten (switched on), a block's fix is instead fitted
+to the original model's resid_post y of that block, kept from the first pass: target = y - (x' + A' + P') with
+x', A', P' from the rewritten model's stream, so the fix also undoes the drift that reaches the block from the
+rewritten blocks before it (cf. ReplaceMe, NeurIPS 2025: closed-form least-squares fits to the original model's
+activations). On the unmodified stream the target is delta itself.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ class NormalEquations:
         return 2 * (2 * d_model + 1) * (3 * d_model + 1) * 8
 
     def update(self, fold: int, attn_out: np.ndarray, mlp_x: np.ndarray, delta: np.ndarray, resid_post: np.ndarray) -> None:
-        """Add tokens: each argument [tokens, d_model]. One window's products are formed in the
+        """Add tokens: each argument [tokens, d_model]; delta is the fit's target (the defect, or what the
+        drift-correcting fit aims at). One window's products are formed in the
         activations' own precision (at least float32, what ORT computed them in) and added to the
         float64 sums, so the sums carry no error the activations do not already have."""
         n = len(delta)
@@ -107,12 +114,13 @@ class NormalEquations:
         hh = pp + 2 * pd + dd  # |mlp(ln2 h)|^2, as mlp(ln2 h) = P + delta
         return {"c": dd / max(hh, 1e-300), "c_stream": dd / max(float(self.yy.sum()), 1e-300), "alpha": (pp + pd) / max(pp, 1e-300)}
 
-    def solve(self, layer: int, kind: str = "full", ridges=RIDGES) -> Fit:
+    def solve(self, layer: int, kind: str = "full", ridges=RIDGES, defect: bool = True) -> Fit:
         """The fix of one block: `full` (ridge least squares, the ridge chosen on the held-out fold,
         then refitted on both folds) or `gate` (alpha_l, the paper's scalar). A fit that is not
-        finite is refused (fix None, with a note)."""
+        finite is refused (fix None, with a note). defect: the target was the defect itself, so the
+        one-pass scores (C_l, C_l^stream, alpha_l) can be read off the sums; False leaves them out."""
         d = self.zd.shape[2]
-        tokens, scores = int(self.tokens.sum()), self.scores()
+        tokens, scores = int(self.tokens.sum()), self.scores() if defect else {}
         failed = lambda why: Fit(layer, None, None, None, None, tokens, why, scores)  # noqa: E731
         if self.tokens.min() == 0:
             return failed("too few windows to hold one fold out; give more fit windows")
@@ -201,6 +209,8 @@ def fit(
     memory_bytes: int = MEMORY_BYTES,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
+    keep_stream: dict[int, list[np.ndarray]] | None = None,
+    drift: dict[int, list[np.ndarray]] | None = None,
 ) -> dict[int, Fit]:
     """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each Fit also carries the
@@ -208,7 +218,12 @@ def fit(
 
     fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
     graph holds, `on` the switches turned on, e.g. {("parallel",): {3, 7}, ("compensated",): {3}}.
+    keep_stream: receives each fitted block's resid_post on every window (token 0 left out, float32), for `drift`.
+    drift: the original model's resid_post, as keep_stream kept it on the same windows: fit the drift-correcting
+    fix (module docstring) under `fixes` / `on` instead of the defect's.
     """
+    if drift is not None and kind != "full":
+        raise SurgeryError("the drift-correcting fit needs the full least-squares fix, not the scalar gate")
     blocks = find_blocks(model)
     n, table = len(blocks), embedding_table(model)
     if table is None:
@@ -226,6 +241,7 @@ def fit(
         return {}
     session = runtime.session(fit_graph(model, fixes), options)
     feed_switches = graphs.switches(KINDS, n, on)
+    parallel_on, fixed_on = (set((on or {}).get(kind, ())) for kind in KINDS)
     per_chunk = max(1, memory_bytes // NormalEquations.nbytes(d_model))
     chunks = [todo[i : i + per_chunk] for i in range(0, len(todo), per_chunk)]
     results: dict[int, Fit] = {}
@@ -237,13 +253,20 @@ def fit(
             feed = runtime.feeds(session, windows.ids[i : i + 1], extra={graphs.SWITCHES: feed_switches})
             out = dict(zip(names, session.run(names, feed)))
             for layer in chunk:  # token 0, the attention sink, left out
-                t = [out[graphs.fit_tap(layer, w)][0, 1:] for w in graphs.FIT_TAPS]
-                sums[layer].update(i % 2, *t)
+                attn_out, mlp_x, delta, resid_post = (out[graphs.fit_tap(layer, w)][0, 1:] for w in graphs.FIT_TAPS)
+                if keep_stream is not None:
+                    keep_stream.setdefault(layer, []).append(resid_post.astype(np.float32))
+                if drift is not None:  # target y - (x' + A' + P'), from y' = x' + A' + (P' + delta, P' + fix, or P')
+                    correction = delta if layer not in parallel_on else (
+                        fixes[layer].apply(attn_out, mlp_x) if layer in fixed_on else 0.0)
+                    delta = (drift[layer][i] - resid_post + correction).astype(mlp_x.dtype)
+                    resid_post = drift[layer][i]
+                sums[layer].update(i % 2, attn_out, mlp_x, delta, resid_post)
             done += 1
             if progress:
                 progress(done, total)
         for layer in chunk:
-            results[layer] = sums[layer].solve(layer, kind, ridges)
+            results[layer] = sums[layer].solve(layer, kind, ridges, defect=drift is None)
             if no_fold[layer]:  # scored, but its fix has nowhere to go: the block stays plain
                 results[layer] = dataclasses.replace(results[layer], fix=None, note=no_fold[layer])
         del sums

@@ -112,6 +112,7 @@ class Selection:
     fit_passes: int  # over the fit windows
     forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
     seconds: dict[str, float]
+    drift: tuple[dict, ...] = ()  # each drift refit round: the chosen set's KL and dNLL before and after, kept or not
 
     @property
     def fixes(self) -> dict[int, Fix]:
@@ -135,7 +136,7 @@ class Selection:
             "layers": list(self.layers), "forms": {str(k): v for k, v in sorted(self.forms.items())},
             "score": self.score, "fit": self.fit, "base_loss": self.base_loss, "dnll": self.dnll.to_json(),
             "divergence": None if self.divergence is None else self.divergence.to_json(),
-            "refit": self.refit, "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
+            "refit": self.refit, "drift": list(self.drift), "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
@@ -160,6 +161,7 @@ def select_layers(
     protect_last: int = 0,
     try_both: bool = False,
     refit: bool = False,
+    drift_rounds: int = 0,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
     pool: cluster.Pool = cluster.Pool(),
@@ -181,8 +183,10 @@ def select_layers(
     n = len(blocks)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
+    stream: dict[int, list] | None = {} if drift_rounds and fit == "full" else None  # the original's resid_post on the fit windows
     if fit is not None:
-        fits = compensation.fit(model, fit_windows, kind=fit, options=options, progress=lambda d, t: tell("fit (one pass)", d, t))
+        fits = compensation.fit(model, fit_windows, kind=fit, options=options, progress=lambda d, t: tell("fit (one pass)", d, t),
+                                keep_stream=stream)
         stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
         stats["c_comp"] = [fits[l].c_comp if l in fits else None for l in range(n)]
     else:
@@ -220,23 +224,53 @@ def select_layers(
     reference += [r for _, refs in parts for r in refs]
     chosen: dict[int, str] = {}
     trials: list[Trial] = []
-    current, current_kl = Delta(0.0, 0.0, 0.0), None
-    for i, layer in enumerate(candidates):
-        if max_layers is not None and len(chosen) >= max_layers:
+    state = {"d": Delta(0.0, 0.0, 0.0), "kl": None}
+
+    def greedy(order: list[int], fits: dict[int, Fit], scorers, round: int) -> None:
+        """Try the candidates in `order`, adding each that keeps the chosen set within the budget."""
+        for i, layer in enumerate(order):
+            if max_layers is not None and len(chosen) >= max_layers:
+                break
+            passing = []
+            for form in _forms(layer, fits, try_both):
+                d, kl = loss({**chosen, layer: form}, scorers)
+                trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1, round))
+                if budget.holds(d, kl):
+                    passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
+                    if not try_both:
+                        break
+            if passing:
+                _, form, state["d"], state["kl"], index = min(passing, key=lambda p: p[0])
+                chosen[layer] = form
+                trials[index] = dataclasses.replace(trials[index], kept=True)
+            tell("greedy selection" if not round else f"greedy selection, drift round {round}", i + 1, len(order))
+
+    greedy(candidates, fits, scorers, 0)
+    drift_report = []
+    for round in range(1, drift_rounds + 1):
+        # Refit every fix on the stream of the model with the chosen blocks rewritten, aiming at the original's resid_post.
+        compensated = sorted(l for l, f in chosen.items() if f == "compensated")
+        if not chosen or fit != "full":
             break
-        passing = []
-        for form in _forms(layer, fits, try_both):
-            d, kl = loss({**chosen, layer: form})
-            trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1))
-            if budget.holds(d, kl):
-                passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
-                if not try_both:
-                    break
-        if passing:
-            _, form, current, current_kl, index = min(passing, key=lambda p: p[0])
-            chosen[layer] = form
-            trials[index] = dataclasses.replace(trials[index], kept=True)
-        tell("greedy selection", i + 1, len(candidates))
+        first = min(chosen)
+        todo = {l for l in candidates if l > first and fits.get(l) is not None and fits[l].fix is not None}
+        if not todo:
+            break
+        fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
+        on = {KINDS[0]: set(chosen), KINDS[1]: set(compensated)}
+        again = compensation.fit(model, fit_windows, todo, fixes=fixes, on=on, kind=fit, options=options, drift=stream,
+                                 progress=lambda d, t: tell(f"drift refit {round} (one pass)", d, t))
+        new_fits = {**fits, **{l: dataclasses.replace(f, scores=fits[l].scores) for l, f in again.items() if f.fix is not None}}
+        new_scorers = _scorers(pool, graphs.switchboard(model, KINDS, {l: f.fix for l, f in new_fits.items() if f.fix is not None}), options)
+        d, kl = loss(chosen, new_scorers)
+        kept = budget.cost(d, kl) < budget.cost(state["d"], state["kl"]) and budget.holds(d, kl)
+        drift_report.append({"round": round, "layers": sorted(again), "kl_before": state["kl"].to_json(), "kl_after": kl.to_json(),
+                             "dnll_before": state["d"].to_json(), "dnll_after": d.to_json(), "kept": kept})
+        if not kept:
+            break
+        fits, scorers, state["d"], state["kl"] = new_fits, new_scorers, d, kl
+        greedy([l for l in candidates if l not in chosen], fits, scorers, round)
+    current, current_kl = state["d"], state["kl"]
     seconds["selection"] = time.perf_counter() - start
 
     refit_report = None
@@ -270,7 +304,8 @@ def select_layers(
         dnll=current,
         divergence=current_kl,
         refit=refit_report,
-        fit_passes=(1 if fit else 0) + (1 if refit_report else 0),
+        fit_passes=(1 if fit else 0) + (1 if refit_report else 0) + len(drift_report),
+        drift=tuple(drift_report),
         forward_passes=passes,
         seconds=seconds,
     )
@@ -348,6 +383,7 @@ def auto(
     fused: bool = False,
     try_both: bool = False,
     refit: bool = False,
+    drift_rounds: int = 0,
     measure_latency: bool = True,
     repeats: int = 20,
     tokenizer=None,
@@ -376,7 +412,7 @@ def auto(
     with cluster.pool(workers, ray) as pool:
         selection = select_layers(
             model, sel, fit_windows=fit_part, fit=fit, score=score, budget=budget, max_layers=max_layers,
-            protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
+            protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, drift_rounds=drift_rounds, options=options, progress=tell,
             pool=pool,
         )
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model

@@ -76,6 +76,17 @@ class Fix:
             b_down = np.asarray(self.b, np.float64) if b_down is None else b_down + self.b
         return (times(attn.weight, self.w_a), times(attn.bias, self.w_a)), (times(mlp.weight, self.w_p), b_down)
 
+    def apply(self, attn_out: np.ndarray, mlp_out: np.ndarray) -> np.ndarray:
+        """What the fix adds to the residual stream: attn_out w_a + mlp_out w_p + b ([tokens, d_model], float64)."""
+        total = np.zeros(np.shape(mlp_out), np.float64)
+        if self.w_a is not None:
+            total += np.asarray(attn_out, np.float64) @ self.w_a
+        if self.w_p is not None:
+            total += np.asarray(mlp_out, np.float64) * self.w_p if np.isscalar(self.w_p) else np.asarray(mlp_out, np.float64) @ self.w_p
+        if self.b is not None:
+            total += self.b
+        return total
+
     def describe(self) -> str:
         """`calibrated x0.8812` for a gate, `compensated` for a full fix."""
         if self.w_a is None and self.b is None and (self.w_p is None or np.isscalar(self.w_p)):
