@@ -36,6 +36,9 @@ def summary(report: dict) -> dict:
     if "defect" in report and "spearman" in report["defect"]:
         out["spearman_c"] = report["defect"]["spearman"]["c"]
         out["spearman_c_stream"] = report["defect"]["spearman"]["c_stream"]
+    if "defect" in report and "spearman_kl" in report["defect"]:
+        out["spearman_kl_c"] = report["defect"]["spearman_kl"]["c"]
+        out["spearman_kl_c_stream"] = report["defect"]["spearman_kl"]["c_stream"]
     if "ablation" in report:
         out["ablation_all_layers"] = report["ablation"]["all_layers"]
         if "all_layers_interval" in report["ablation"]:
@@ -80,6 +83,8 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
                ("C", lambda r, l: r["defect"]["c"][l]), ("C_stream", lambda r, l: r["defect"]["c_stream"][l]),
                ("dNLL parallel [95 % CI]", lambda r, l: _fmt_dnll(r["defect"].get("dnll_parallel", [None] * n)[l],
                                                                   r["defect"].get("dnll_parallel_interval", [None] * n)[l])),
+               ("KL parallel", lambda r, l: r["defect"].get("kl_parallel", [None] * n)[l]),
+               ("top-1 parallel", lambda r, l: r["defect"].get("top1_parallel", [None] * n)[l]),
                ("alpha", lambda r, l: r["gate"]["alpha"][l])]
     present = [(name, get) for name, get in columns if _has(report, get)]
     if present:

@@ -80,3 +80,42 @@ def test_fit_on_a_graph_lowers_the_held_out_defect(fixture_path):
     assert sorted(fits) == [0, 1, 2]
     for f in fits.values():
         assert f.fix is not None and 0 < f.residual < 1 and f.c_comp < f.c_stream
+
+
+def test_drift_correcting_fit_equals_numpy_on_the_rewritten_graph_s_taps(fixture_path):
+    """With block 0 compensated in place, blocks 1 and 2 are fitted to the original model's resid_post:
+    target y - (x' + A' + P') with x', A', P' tapped (graphs.probe) from the graph `rewrite` writes, solved
+    in NumPy with the ridge the fit chose. On the unmodified stream the drift fit is the defect's own fit."""
+    from surgery.diagnostics import graphs
+    from surgery.facts import embedding_table
+    from surgery.runtime import feeds, session
+    from surgery.select import rewrite
+
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=32, max_windows=12, part="calibration")
+    stream: dict = {}
+    first = compensation.fit(model, windows, keep_stream=stream)
+    same = compensation.fit(model, windows, drift=stream)
+    for layer in first:
+        np.testing.assert_allclose(same[layer].fix.w_p, first[layer].fix.w_p, rtol=1e-6, atol=1e-9)
+    fix0 = first[0].fix
+    on = {("parallel",): {0}, ("compensated",): {0}}
+    drifted = compensation.fit(model, windows, {1, 2}, fixes={0: fix0}, on=on, drift=stream)
+    written = rewrite(model, [0], fixes={0: fix0}).model
+    probe = graphs.probe(written)
+    sess = session(probe.model)
+    for layer in (1, 2):
+        taps = probe.outputs[layer]
+        names = [taps[k] for k in ("resid_pre", "attn_out", "mlp_out_on_pre")]
+        k = 2 * embedding_table(model)[1] + 1
+        zz, zt = np.zeros((k, k)), np.zeros((k, k // 2))
+        for i in range(len(windows)):
+            x, a, p = (t[0, 1:].astype(np.float64) for t in sess.run(names, feeds(sess, windows.ids[i : i + 1])))
+            z = np.concatenate([a, p, np.ones((len(a), 1))], axis=1)
+            zz += z.T @ z
+            zt += z.T @ (stream[layer][i] - (x + a + p))
+        want = compensation._ridge_solve(zz, zt, drifted[layer].ridge)
+        got = np.concatenate([drifted[layer].fix.w_a, drifted[layer].fix.w_p, drifted[layer].fix.b[None]])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        assert not np.allclose(got, np.concatenate([first[layer].fix.w_a, first[layer].fix.w_p, first[layer].fix.b[None]]), atol=1e-6)

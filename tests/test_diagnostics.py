@@ -85,15 +85,24 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     windows = data.windows(path, seq_len=32, max_windows=3, part="evaluation")
     base = evaluate.perplexity(model, windows).loss
     assert report["ablation"]["base_loss"] == pytest.approx(base, abs=1e-6)
+    def kl(rewritten):  # mean token KL and top-1 agreement of a written graph vs the original, scored on its own
+        d = evaluate.divergence(evaluate.compare([model, rewritten], windows)[1])
+        return pytest.approx(d.kl, rel=1e-4, abs=1e-7), pytest.approx(d.top1)
+
     for layer in range(3):
         expected = evaluate.perplexity(parallelize(model, {layer}).model, windows).loss - base
         assert report["defect"]["dnll_parallel"][layer] == pytest.approx(expected, abs=1e-5)
+        assert (report["defect"]["kl_parallel"][layer], report["defect"]["top1_parallel"][layer]) == kl(parallelize(model, {layer}).model)
         for branch in ("mlp", "attn"):
             got = report["ablation"]["per_layer"][branch]["radial"][layer]
             expected = evaluate.perplexity(project(model, branch, "radial", {layer}).model, windows).loss - base
             assert got == pytest.approx(expected, abs=1e-5)
+            got = report["ablation"]["per_layer_kl"][branch]["radial"][layer], report["ablation"]["per_layer_top1"][branch]["radial"][layer]
+            assert got == kl(project(model, branch, "radial", {layer}).model)
     expected = evaluate.perplexity(project(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
     assert report["ablation"]["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
+    assert report["ablation"]["all_layers_kl"]["mlp"]["tangential"] == kl(project(model, "mlp", "tangential", {0, 1, 2}).model)[0]
+    assert -1 <= report["defect"]["spearman_kl"]["c_stream"] <= 1
     for branch, mode in (("mlp", "tangential"), ("attn", "radial")):  # the sink-kept column: position 0 keeps its output
         kept = evaluate.perplexity(project(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
         assert report["ablation"]["all_layers_keep_sink"][branch][mode] == pytest.approx(kept, abs=1e-5)

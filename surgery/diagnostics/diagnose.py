@@ -122,12 +122,17 @@ def _diagnose(
         intervals = losses["interval"]
         if "defect" in only:
             dnll = [losses[("parallel",)][l] for l in range(n)]
+            kl = [losses["kl"][("parallel",)][l] for l in range(n)]
             report["defect"].update(
                 {
                     "base_loss": losses["base"],
                     "dnll_parallel": dnll,
                     "dnll_parallel_interval": [intervals[("parallel",)][l] for l in range(n)],
+                    "kl_parallel": kl,  # mean token KL(original || this layer parallel), nats
+                    "kl_parallel_interval": [losses["kl_interval"][("parallel",)][l] for l in range(n)],
+                    "top1_parallel": [losses["top1"][("parallel",)][l] for l in range(n)],
                     "spearman": {k: spearman(report["defect"][k], dnll) for k in ("c", "c_stream")},
+                    "spearman_kl": {k: spearman(report["defect"][k], kl) for k in ("c", "c_stream")},
                 }
             )
         if "ablation" in only:
@@ -141,6 +146,11 @@ def _diagnose(
                 # position 0 (the attention sink) keeps its branch output; all layers at once only
                 "all_layers_keep_sink": {b: {m: losses[(b, m, graphs.KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
                 "all_layers_keep_sink_interval": {b: {m: intervals[(b, m, graphs.KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
+                # mean token KL vs the original and top-1 agreement of the same runs
+                "all_layers_kl": {b: {m: losses["kl"][(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "all_layers_top1": {b: {m: losses["top1"][(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "per_layer_kl": {b: {m: [losses["kl"][(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
+                "per_layer_top1": {b: {m: [losses["top1"][(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
             }
         report["seconds"]["losses"] = time.perf_counter() - start
     return report
@@ -281,22 +291,25 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     parts: dict = {run: [] for run in [("base", None), *runs]}
     for i in range(len(windows)):
         window = windows.take([i])
-        [(base, kept)] = actors.map("base", [(window,)])
+        [(base, kept, reference)] = actors.map("base", [(window,)])
         parts[("base", None)].append(base)
-        for done, (chunk, scored) in enumerate(zip(chunks, actors.map("runs", [(window, chunk, kept) for chunk in chunks])), 1):
+        for done, (chunk, scored) in enumerate(zip(chunks, actors.map("runs", [(window, chunk, kept, reference) for chunk in chunks])), 1):
             for run, part in zip(chunk, scored):
                 parts[run].append(part)
             tell("losses", i * len(chunks) + done, len(windows) * len(chunks))
     base = evaluate.joined(parts[("base", None)])
-    result: dict = {"base": base.loss, "interval": {kind: {} for kind in kinds}, **{kind: {} for kind in kinds}}
+    measures = ("interval", "kl", "kl_interval", "top1")
+    result: dict = {"base": base.loss, **{m: {kind: {} for kind in kinds} for m in measures}, **{kind: {} for kind in kinds}}
     for kind, layer in jobs:
         if _already_parallel((kind, layer), blocks):
-            result[kind][layer] = result["interval"][kind][layer] = None  # nothing to measure
+            for table in (result, *(result[m] for m in measures)):
+                table[kind][layer] = None  # nothing to measure
             continue
         p = evaluate.joined(parts[(kind, layer)])
-        d = evaluate.delta(base, p)
+        d, kl = evaluate.delta(base, p), evaluate.divergence(p)
         result[kind][layer] = p.loss - base.loss
         result["interval"][kind][layer] = [d.low, d.high]
+        result["kl"][kind][layer], result["kl_interval"][kind][layer], result["top1"][kind][layer] = kl.kl, [kl.low, kl.high], kl.top1
     return result
 
 
@@ -307,14 +320,16 @@ class LossWindows:
 
     def __init__(self, model, kinds, n_layers: int, resume: graphs.Resumable | None, options: runtime.Options):
         self.kinds, self.n, self.resume = kinds, n_layers, resume
-        self.scorer = evaluate.Scorer(model, options, keep=resume.resid_post if resume else ())
+        self.scorer = evaluate.Scorer(model, options, keep=resume.resid_post if resume else (), compare=True)
 
-    def base(self, window: data.Windows) -> tuple[evaluate.Perplexity, dict[str, np.ndarray]]:
+    def base(self, window: data.Windows) -> tuple[evaluate.Perplexity, dict[str, np.ndarray], list[evaluate.Reference]]:
+        """The unchanged run: its score, the tensors it kept, and its next-token distribution (for KL)."""
         kept: dict = {}
-        return self.scorer(window, extra=self._extra(None, kept), kept=kept), kept
+        reference: list = []
+        return self.scorer(window, extra=self._extra(None, kept), kept=kept, record=reference), kept, reference
 
-    def runs(self, window: data.Windows, runs: list[tuple], kept: dict[str, np.ndarray]) -> list[evaluate.Perplexity]:
-        return [self.scorer(window, extra=self._extra(run, kept)) for run in runs]
+    def runs(self, window: data.Windows, runs: list[tuple], kept: dict[str, np.ndarray], reference) -> list[evaluate.Perplexity]:
+        return [self.scorer(window, extra=self._extra(run, kept), reference=reference) for run in runs]
 
     def _extra(self, run, kept) -> dict:
         kind, layer = run or (None, None)
