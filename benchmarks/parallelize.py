@@ -19,7 +19,7 @@ from common import smollm2, table
 
 from surgery import data, evaluate, graph, runtime
 from surgery.layers import format_layers
-from surgery.select import rewrite, select_layers
+from surgery.select import Budget, rewrite, select_layers
 
 FITS = {"plain": None, "calibrated": "gate", "compensated": "full"}
 
@@ -46,7 +46,7 @@ def main() -> None:
     variants = {"original": (model, None, ())}
     for budget in (float(b) for b in args.budgets.split(",")):
         for name, fit in FITS.items():
-            s = select_layers(model, sel, fit_windows=fit_windows, fit=fit, max_loss_increase=budget, options=options)
+            s = select_layers(model, sel, fit_windows=fit_windows, fit=fit, budget=Budget(None, budget), options=options)
             variants[f"{name} @{budget}"] = (rewrite(model, s.layers, fixes=s.fixes).model, s, s.layers)
             if fit == "full":
                 variants[f"compensated + fused @{budget}"] = (rewrite(model, s.layers, fused=True, fixes=s.fixes).model, s, s.layers)

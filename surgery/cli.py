@@ -214,10 +214,9 @@ def parallelize(
     score: Annotated[Optional[str], typer.Option(help="auto: ranking score, `c_comp` (default when compensating), `c_stream` (default otherwise) or `c`.")] = None,
     try_both_forms: Annotated[bool, typer.Option("--try-both-forms", help="auto: try every candidate compensated and plain and keep the better (twice the trials).")] = False,
     refit: Annotated[bool, typer.Option("--refit", help="auto: refit the chosen blocks' fixes with all chosen blocks in place; kept if the selection KL (dNLL when only that is limited) drops.")] = False,
-    drift_rounds: Annotated[int, typer.Option(help="auto, compensated: after the greedy pass, refit every fix on the stream of the model with the chosen blocks rewritten, aiming at the original's resid_post (one fit pass each), and try the rest again; this many rounds.")] = 0,
     data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
-    fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 32,
+    fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 64,
     windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy dNLL checks (disjoint from the fit windows).")] = 8,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
@@ -253,7 +252,7 @@ def parallelize(
         outcome, written = select.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
             fit=fit, score=score, budget=budget, max_layers=max_layers, protect_first=protect_first,
-            protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, drift_rounds=drift_rounds, measure_latency=latency, repeats=repeats,
+            protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
             tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray,
         )
     if as_json:

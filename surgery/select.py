@@ -3,14 +3,16 @@
 With compensation (the default), one streamed pass over the fit windows fits every block's fix
 (surgery.compensation) and gives every score: C_l, C_l^stream, alpha_l and C_l^comp, the fixed
 block's held-out defect. Blocks are ranked by the score (lowest first: C_l^comp when compensating,
-C_l^stream otherwise) and added one at a time, measuring the dNLL of the whole chosen set on the
-selection windows, which are disjoint from the fit windows and from the evaluation windows.
-A candidate is tried compensated first; plain is tried after it when that misses the budget and
-the fit did not lower the held-out defect (residual fraction >= 1), so a bad fit costs one try;
-with try_both every candidate is tried in both forms and the better passing one is kept. It is kept while the chosen set's dNLL
-stays within max_loss_increase. With refit, the chosen blocks' fixes are then fitted again with
-every chosen block in place, and the refitted fixes are kept if the selection dNLL goes down.
-All trials run in one switchboard session; a refit builds a second one.
+C_l^stream otherwise) and added one at a time, measuring the whole chosen set against the original
+on the selection windows, which are disjoint from the fit windows and from the evaluation windows:
+mean token KL (the original's log-probs of each selection batch are kept from the baseline pass)
+and dNLL. A candidate is kept while both stay within the Budget (--max-kl, --max-loss-increase; on
+point estimates). It is tried compensated first; plain is tried after it when that misses the
+budget and the fit did not lower the held-out defect (residual fraction >= 1), so a bad fit costs
+one try; with try_both every candidate is tried in both forms and the better passing one (lower
+KL) is kept. With refit, the chosen blocks' fixes are then fitted again with every chosen block in
+place, and the refitted fixes are kept if the selection KL goes down. All trials run in one
+switchboard session; a refit builds a second one.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ class Trial:
     kl_low: float = float("nan")  # its 95 % bootstrap interval over the selection windows
     kl_high: float = float("nan")
     top1: float = float("nan")  # top-1 agreement with the original
-    round: int = 0  # 0: fixes fitted on the original stream; 1, 2, ...: after that many drift refits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,6 @@ class Selection:
     fit_passes: int  # over the fit windows
     forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
     seconds: dict[str, float]
-    drift: tuple[dict, ...] = ()  # each drift refit round: the chosen set's KL and dNLL before and after, kept or not
 
     @property
     def fixes(self) -> dict[int, Fix]:
@@ -136,7 +136,7 @@ class Selection:
             "layers": list(self.layers), "forms": {str(k): v for k, v in sorted(self.forms.items())},
             "score": self.score, "fit": self.fit, "base_loss": self.base_loss, "dnll": self.dnll.to_json(),
             "divergence": None if self.divergence is None else self.divergence.to_json(),
-            "refit": self.refit, "drift": list(self.drift), "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
+            "refit": self.refit, "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
@@ -161,7 +161,6 @@ def select_layers(
     protect_last: int = 0,
     try_both: bool = False,
     refit: bool = False,
-    drift_rounds: int = 0,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
     pool: cluster.Pool = cluster.Pool(),
@@ -183,10 +182,8 @@ def select_layers(
     n = len(blocks)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    stream: dict[int, list] | None = {} if drift_rounds and fit == "full" else None  # the original's resid_post on the fit windows
     if fit is not None:
-        fits = compensation.fit(model, fit_windows, kind=fit, options=options, progress=lambda d, t: tell("fit (one pass)", d, t),
-                                keep_stream=stream)
+        fits = compensation.fit(model, fit_windows, kind=fit, options=options, progress=lambda d, t: tell("fit (one pass)", d, t))
         stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
         stats["c_comp"] = [fits[l].c_comp if l in fits else None for l in range(n)]
     else:
@@ -224,53 +221,23 @@ def select_layers(
     reference += [r for _, refs in parts for r in refs]
     chosen: dict[int, str] = {}
     trials: list[Trial] = []
-    state = {"d": Delta(0.0, 0.0, 0.0), "kl": None}
-
-    def greedy(order: list[int], fits: dict[int, Fit], scorers, round: int) -> None:
-        """Try the candidates in `order`, adding each that keeps the chosen set within the budget."""
-        for i, layer in enumerate(order):
-            if max_layers is not None and len(chosen) >= max_layers:
-                break
-            passing = []
-            for form in _forms(layer, fits, try_both):
-                d, kl = loss({**chosen, layer: form}, scorers)
-                trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1, round))
-                if budget.holds(d, kl):
-                    passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
-                    if not try_both:
-                        break
-            if passing:
-                _, form, state["d"], state["kl"], index = min(passing, key=lambda p: p[0])
-                chosen[layer] = form
-                trials[index] = dataclasses.replace(trials[index], kept=True)
-            tell("greedy selection" if not round else f"greedy selection, drift round {round}", i + 1, len(order))
-
-    greedy(candidates, fits, scorers, 0)
-    drift_report = []
-    for round in range(1, drift_rounds + 1):
-        # Refit every fix on the stream of the model with the chosen blocks rewritten, aiming at the original's resid_post.
-        compensated = sorted(l for l, f in chosen.items() if f == "compensated")
-        if not chosen or fit != "full":
+    current, current_kl = Delta(0.0, 0.0, 0.0), None
+    for i, layer in enumerate(candidates):
+        if max_layers is not None and len(chosen) >= max_layers:
             break
-        first = min(chosen)
-        todo = {l for l in candidates if l > first and fits.get(l) is not None and fits[l].fix is not None}
-        if not todo:
-            break
-        fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-        on = {KINDS[0]: set(chosen), KINDS[1]: set(compensated)}
-        again = compensation.fit(model, fit_windows, todo, fixes=fixes, on=on, kind=fit, options=options, drift=stream,
-                                 progress=lambda d, t: tell(f"drift refit {round} (one pass)", d, t))
-        new_fits = {**fits, **{l: dataclasses.replace(f, scores=fits[l].scores) for l, f in again.items() if f.fix is not None}}
-        new_scorers = _scorers(pool, graphs.switchboard(model, KINDS, {l: f.fix for l, f in new_fits.items() if f.fix is not None}), options)
-        d, kl = loss(chosen, new_scorers)
-        kept = budget.cost(d, kl) < budget.cost(state["d"], state["kl"]) and budget.holds(d, kl)
-        drift_report.append({"round": round, "layers": sorted(again), "kl_before": state["kl"].to_json(), "kl_after": kl.to_json(),
-                             "dnll_before": state["d"].to_json(), "dnll_after": d.to_json(), "kept": kept})
-        if not kept:
-            break
-        fits, scorers, state["d"], state["kl"] = new_fits, new_scorers, d, kl
-        greedy([l for l in candidates if l not in chosen], fits, scorers, round)
-    current, current_kl = state["d"], state["kl"]
+        passing = []
+        for form in _forms(layer, fits, try_both):
+            d, kl = loss({**chosen, layer: form})
+            trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1))
+            if budget.holds(d, kl):
+                passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
+                if not try_both:
+                    break
+        if passing:
+            _, form, current, current_kl, index = min(passing, key=lambda p: p[0])
+            chosen[layer] = form
+            trials[index] = dataclasses.replace(trials[index], kept=True)
+        tell("greedy selection", i + 1, len(candidates))
     seconds["selection"] = time.perf_counter() - start
 
     refit_report = None
@@ -304,8 +271,7 @@ def select_layers(
         dnll=current,
         divergence=current_kl,
         refit=refit_report,
-        fit_passes=(1 if fit else 0) + (1 if refit_report else 0) + len(drift_report),
-        drift=tuple(drift_report),
+        fit_passes=(1 if fit else 0) + (1 if refit_report else 0),
         forward_passes=passes,
         seconds=seconds,
     )
@@ -320,7 +286,7 @@ def _forms(layer: int, fits: dict[int, Fit], try_both: bool) -> tuple[str, ...]:
     return ("compensated", "plain") if try_both or f.residual is None or f.residual >= 1.0 else ("compensated",)
 
 
-def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=32,
+def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=64,
               tokenizer=None, options=runtime.Options()) -> dict[int, Fix]:
     """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers)."""
     windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
@@ -372,7 +338,7 @@ def auto(
     corpus=None,
     seq_len: int = 256,
     windows: int = 8,
-    fit_windows: int = 32,
+    fit_windows: int = 64,
     eval_windows: int = 8,
     fit: str | None = "full",
     score: str | None = None,
@@ -383,7 +349,6 @@ def auto(
     fused: bool = False,
     try_both: bool = False,
     refit: bool = False,
-    drift_rounds: int = 0,
     measure_latency: bool = True,
     repeats: int = 20,
     tokenizer=None,
@@ -412,7 +377,7 @@ def auto(
     with cluster.pool(workers, ray) as pool:
         selection = select_layers(
             model, sel, fit_windows=fit_part, fit=fit, score=score, budget=budget, max_layers=max_layers,
-            protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, drift_rounds=drift_rounds, options=options, progress=tell,
+            protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
             pool=pool,
         )
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model

@@ -120,9 +120,14 @@ def test_evaluate_command_compares_with_the_first_model(tmp_path, fixture_path):
     assert first["dnll_interval"] is None
     low, high = second["dnll_interval"]
     assert low <= second["dnll"] <= high and low < high
+    assert first["kl"] is None and 0 < second["kl_interval"][0] <= second["kl"] <= second["kl_interval"][1]
+    windows = data.windows(src, seq_len=32, max_windows=3)
+    assert second["kl"] == pytest.approx(evaluate.divergence(evaluate.compare([src, ablated], windows)[1]).kl)
+    assert 0 <= second["top1_agreement"] < 1
     shown = runner.invoke(app, args[:-1] + ["--no-latency"])
     assert shown.exit_code == 0, shown.output
     assert "95 % CI" in shown.stdout and f"[{low:+.4f}, {high:+.4f}]" in shown.stdout
+    assert f"{second['kl']:.4f}" in shown.stdout and f"{100 * second['top1_agreement']:.1f} %" in shown.stdout
 
 
 def test_graph_without_logits_is_one_clear_error(tmp_path, fixture_path):

@@ -1,0 +1,106 @@
+"""Blocks kept under a KL budget, and what each kind of fix costs: SmolLM2-135M, --layers auto by method and --max-kl.
+
+    python benchmarks/kl_budget.py [--budgets 0.02,0.05,0.1] [--methods plain,compensated,refit,drift]
+                                   [--max-loss-increase none] [--png benchmarks/kl_vs_blocks.png]
+
+Methods: plain (no fix, ranked by C_l^stream), compensated (the default: fix fitted to each block's own defect on
+the unmodified stream, ranked by C_l^comp), refit (--refit: the chosen blocks' fixes fitted again with all of them
+in place), drift (the compensated selection, then each chosen block's fix refitted in layer order on the stream of
+the model whose earlier chosen blocks are already rewritten, aiming at the original model's resid_post: the
+drift-correcting fit of compensation.fit(drift=...), one fit pass per block).
+
+Windows as `surgery parallelize` deals them: 32 fit and 8 selection windows from the calibration part, and the
+first 8 windows of the evaluation part held out; every number in the table is on the held-out windows. The PNG
+plots held-out KL against the number of rewritten blocks: the prefixes, in the order the greedy kept them, of each
+method's selection at the loosest budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import smollm2, table
+
+from surgery import compensation, data, evaluate, graph
+from surgery.compensation import KINDS
+from surgery.layers import format_layers
+from surgery.select import Budget, rewrite, select_layers
+
+FITS = {"plain": None, "compensated": "full", "refit": "full", "drift": "full"}
+
+
+def drift_refit(model, fit_windows, chosen: list[int], fixes: dict, stream: dict) -> dict:
+    """Each chosen block's fix, in layer order, fitted to the original resid_post with the blocks before it rewritten."""
+    fixes = dict(fixes)
+    for layer in sorted(chosen)[1:]:
+        before = {l for l in chosen if l < layer}
+        on = {KINDS[0]: before, KINDS[1]: before & set(fixes)}
+        fixes[layer] = compensation.fit(model, fit_windows, {layer}, fixes=fixes, on=on, drift=stream)[layer].fix
+    return fixes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budgets", default="0.02,0.05,0.1")
+    parser.add_argument("--methods", default="plain,compensated,refit,drift")
+    parser.add_argument("--max-loss-increase", default="none", help="the dNLL limit beside the KL one (none: KL alone)")
+    parser.add_argument("--png", default=None)
+    args = parser.parse_args()
+    folder = smollm2()
+    model = graph.load(folder)
+    cal = data.windows(folder, seq_len=256, max_windows=40, part="calibration")
+    fit_windows, sel = data.deal(cal, [32, 8], ["fit", "selection"])
+    ev = data.windows(folder, seq_len=256, max_windows=8, part="evaluation")
+    stream: dict = {}
+    compensation.fit(model, fit_windows, keep_stream=stream)  # the original resid_post, for the drift refit
+    budgets = [float(b) for b in args.budgets.split(",")]
+    rows, curves = [], {}
+    for method in args.methods.split(","):
+        for budget in budgets:
+            start = time.perf_counter()
+            s = select_layers(model, sel, fit_windows=fit_windows, fit=FITS[method], refit=method == "refit",
+                              budget=Budget.parse(budget, args.max_loss_increase))
+            fixes = s.fixes
+            if method == "drift" and fixes:
+                fixes = drift_refit(model, fit_windows, list(s.layers), fixes, stream)
+            seconds = time.perf_counter() - start
+            base, after = evaluate.compare([model, rewrite(model, s.layers, fixes=fixes).model], ev)
+            kl, d = evaluate.divergence(after), evaluate.delta(base, after)
+            rows.append({"method": method, "--max-kl": budget, "blocks": len(s.layers), "layers": format_layers(s.layers) or "-",
+                         "KL [95 % CI]": str(kl), "KL p99": f"{kl.p99:.3f}", "top-1": f"{100 * kl.top1:.1f} %",
+                         "dNLL [95 % CI]": str(d), "seconds": f"{seconds:.0f}"})
+            print(rows[-1], flush=True)
+            if budget == max(budgets) and args.png:
+                order = [t.layer for t in s.trials if t.kept]
+                curve = []
+                for k in range(1, len(order) + 1):
+                    prefix = order[:k]
+                    sub = {l: f for l, f in fixes.items() if l in prefix}
+                    if method == "drift":
+                        sub = drift_refit(model, fit_windows, prefix, {l: s.fixes[l] for l in prefix if l in s.fixes}, stream)
+                    curve.append(evaluate.divergence(evaluate.compare([model, rewrite(model, prefix, fixes=sub).model], ev)[1]).kl)
+                curves[method] = curve
+    print(f"\nheld-out: {len(ev)} evaluation windows x 256 ({ev.tokens} tokens); dNLL limit {args.max_loss_increase}")
+    print(table(rows, list(rows[0])))
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for method, curve in curves.items():
+            ax.plot(range(1, len(curve) + 1), curve, "o-", ms=3, label=method)
+        ax.set_xlabel("rewritten blocks (in the order the greedy kept them)")
+        ax.set_ylabel("held-out mean token KL (nats)")
+        ax.set_title(f"SmolLM2-135M, --layers auto at --max-kl {max(budgets)}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
