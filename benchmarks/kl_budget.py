@@ -1,6 +1,7 @@
 """Blocks kept under a KL budget, and what each kind of fix costs: SmolLM2-135M, --layers auto by method and --max-kl.
 
     python benchmarks/kl_budget.py [--budgets 0.02,0.05,0.1] [--methods plain,compensated,refit,drift]
+                                   [--fit-windows 64] [--windows 16]
                                    [--max-loss-increase none] [--png benchmarks/kl_vs_blocks.png]
 
 Methods: plain (no fix, ranked by C_l^stream), compensated (the default: fix fitted to each block's own defect on
@@ -9,7 +10,7 @@ in place), drift (the compensated selection, then each chosen block's fix refitt
 the model whose earlier chosen blocks are already rewritten, aiming at the original model's resid_post: the
 drift-correcting fit of compensation.fit(drift=...), one fit pass per block).
 
-Windows as `surgery parallelize` deals them: 32 fit and 8 selection windows from the calibration part, and the
+Windows as `surgery parallelize` deals them: 64 fit and 16 selection windows from the calibration part, and the
 first 8 windows of the evaluation part held out; every number in the table is on the held-out windows. The PNG
 plots held-out KL against the number of rewritten blocks: the prefixes, in the order the greedy kept them, of each
 method's selection at the loosest budget.
@@ -25,7 +26,7 @@ from common import smollm2, table
 from surgery import compensation, data, evaluate, graph
 from surgery.compensation import KINDS
 from surgery.layers import format_layers
-from surgery.select import Budget, rewrite, select_layers
+from surgery.select import PATIENCE, Budget, rewrite, select_layers
 
 FITS = {"plain": None, "compensated": "full", "refit": "full", "drift": "full"}
 
@@ -46,21 +47,24 @@ def main() -> None:
     parser.add_argument("--methods", default="plain,compensated,refit,drift")
     parser.add_argument("--max-loss-increase", default="none", help="the dNLL limit beside the KL one (none: KL alone)")
     parser.add_argument("--png", default=None)
+    parser.add_argument("--fit-windows", type=int, default=64)
+    parser.add_argument("--windows", type=int, default=16)
     args = parser.parse_args()
     folder = smollm2()
     model = graph.load(folder)
-    cal = data.windows(folder, seq_len=256, max_windows=40, part="calibration")
-    fit_windows, sel = data.deal(cal, [32, 8], ["fit", "selection"])
+    cal = data.windows(folder, seq_len=256, max_windows=args.fit_windows + args.windows, part="calibration")
+    fit_windows, sel = data.deal(cal, [args.fit_windows, args.windows], ["fit", "selection"])
     ev = data.windows(folder, seq_len=256, max_windows=8, part="evaluation")
     stream: dict = {}
-    compensation.fit(model, fit_windows, keep_stream=stream)  # the original resid_post, for the drift refit
+    if "drift" in args.methods:
+        compensation.fit(model, fit_windows, keep_stream=stream)  # the original resid_post, for the drift refit
     budgets = [float(b) for b in args.budgets.split(",")]
     rows, curves = [], {}
     for method in args.methods.split(","):
         for budget in budgets:
             start = time.perf_counter()
             s = select_layers(model, sel, fit_windows=fit_windows, fit=FITS[method], refit=method == "refit",
-                              budget=Budget.parse(budget, args.max_loss_increase))
+                              budget=Budget.parse(budget, args.max_loss_increase), patience=PATIENCE)
             fixes = s.fixes
             if method == "drift" and fixes:
                 fixes = drift_refit(model, fit_windows, list(s.layers), fixes, stream)

@@ -209,6 +209,7 @@ def parallelize(
     max_kl: Annotated[str, typer.Option(help="auto: largest mean token KL vs the original (nats, selection windows) the chosen set may cost; `none`: no limit.")] = "0.05",
     max_loss_increase: Annotated[str, typer.Option(help="auto: largest dNLL (nats, selection windows) the chosen set may cost; `none`: no limit. Both limits must hold.")] = "0.02",
     max_layers: Annotated[Optional[int], typer.Option(help="auto: choose at most this many blocks.")] = None,
+    patience: Annotated[int, typer.Option(help="auto: stop after this many candidates in a row miss the budget; 0 tries every one.")] = 6,
     protect_first: Annotated[int, typer.Option(help="auto: never choose the first N blocks.")] = 0,
     protect_last: Annotated[int, typer.Option(help="auto: never choose the last N blocks.")] = 0,
     score: Annotated[Optional[str], typer.Option(help="auto: ranking score, `c_comp` (default when compensating), `c_stream` (default otherwise) or `c`.")] = None,
@@ -217,7 +218,7 @@ def parallelize(
     data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 64,
-    windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy dNLL checks (disjoint from the fit windows).")] = 8,
+    windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).")] = 16,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
     repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 20,
@@ -251,7 +252,7 @@ def parallelize(
     with _progress() as tell:
         outcome, written = select.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
-            fit=fit, score=score, budget=budget, max_layers=max_layers, protect_first=protect_first,
+            fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
             tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray,
         )
@@ -267,7 +268,8 @@ def parallelize(
     fit_line = f"1 fit pass over {w['fit']['count']} fit windows{' + 1 refit' if sel.refit else ''}, " if sel.fit else ""
     lines = [
         ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
-        ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} candidates, {len(sel.trials)} trials, {len(sel.layers)} kept"),
+        ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} of {sel.candidates} candidates tried, "
+                      f"{len(sel.trials)} trials, {len(sel.layers)} kept" + (f"; stopped: {sel.stopped}" if sel.stopped else "")),
         ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''})"),
         ("budget", f"{budget} nats on the selection windows' point estimates"),
     ]

@@ -113,6 +113,8 @@ class Selection:
     fit_passes: int  # over the fit windows
     forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
     seconds: dict[str, float]
+    candidates: int = 0  # sequential blocks that could be chosen, ranked
+    stopped: str | None = None  # why the greedy stopped before the last candidate
 
     @property
     def fixes(self) -> dict[int, Fix]:
@@ -136,12 +138,13 @@ class Selection:
             "layers": list(self.layers), "forms": {str(k): v for k, v in sorted(self.forms.items())},
             "score": self.score, "fit": self.fit, "base_loss": self.base_loss, "dnll": self.dnll.to_json(),
             "divergence": None if self.divergence is None else self.divergence.to_json(),
-            "refit": self.refit, "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
+            "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit, "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
 
 BATCH = 4  # selection windows scored together: one job for a Ray actor
+PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
 
 
 def _scorers(pool: cluster.Pool, board: ir.Model, options: runtime.Options):
@@ -157,6 +160,7 @@ def select_layers(
     score: str | None = None,
     budget: Budget = Budget(),
     max_layers: int | None = None,
+    patience: int | None = None,
     protect_first: int = 0,
     protect_last: int = 0,
     try_both: bool = False,
@@ -167,6 +171,7 @@ def select_layers(
 ) -> Selection:
     """Greedy selection of blocks to parallelize (see the module docstring). `windows` are the
     selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted.
+    patience: stop after this many candidates in a row miss the budget (None or 0: try them all).
     pool: where each trial's batches of selection windows are scored (Ray actors, or this process)."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
@@ -222,8 +227,13 @@ def select_layers(
     chosen: dict[int, str] = {}
     trials: list[Trial] = []
     current, current_kl = Delta(0.0, 0.0, 0.0), None
+    misses, stopped = 0, None  # candidates rejected in a row; why the greedy stopped before the end of the list
     for i, layer in enumerate(candidates):
         if max_layers is not None and len(chosen) >= max_layers:
+            stopped = f"--max-layers {max_layers} reached"
+            break
+        if patience and misses >= patience:
+            stopped = f"{patience} candidates in a row missed the budget"
             break
         passing = []
         for form in _forms(layer, fits, try_both):
@@ -233,6 +243,7 @@ def select_layers(
                 passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
                 if not try_both:
                     break
+        misses = 0 if passing else misses + 1
         if passing:
             _, form, current, current_kl, index = min(passing, key=lambda p: p[0])
             chosen[layer] = form
@@ -274,6 +285,8 @@ def select_layers(
         fit_passes=(1 if fit else 0) + (1 if refit_report else 0),
         forward_passes=passes,
         seconds=seconds,
+        candidates=len(candidates),
+        stopped=stopped,
     )
 
 
@@ -337,13 +350,14 @@ def auto(
     *,
     corpus=None,
     seq_len: int = 256,
-    windows: int = 8,
+    windows: int = 16,
     fit_windows: int = 64,
     eval_windows: int = 8,
     fit: str | None = "full",
     score: str | None = None,
     budget: Budget = Budget(),
     max_layers: int | None = None,
+    patience: int | None = PATIENCE,
     protect_first: int = 0,
     protect_last: int = 0,
     fused: bool = False,
@@ -376,7 +390,7 @@ def auto(
     ev = get("evaluation", eval_windows)
     with cluster.pool(workers, ray) as pool:
         selection = select_layers(
-            model, sel, fit_windows=fit_part, fit=fit, score=score, budget=budget, max_layers=max_layers,
+            model, sel, fit_windows=fit_part, fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience,
             protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
             pool=pool,
         )

@@ -263,3 +263,13 @@ def test_explicit_layers_with_compensate_fold_the_fitted_fix(fixture_path, tmp_p
     assert [b["fix"] for b in facts["blocks"]] == ["compensated", None, "compensated"]
     shown = runner.invoke(app, ["inspect", str(out)]).stdout
     assert "parallel (compensated)" in shown and "compensate layers=[0, 2]" in shown
+
+
+def test_patience_stops_after_that_many_misses_in_a_row(fixture_path):
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=32, max_windows=4, part="calibration")
+    stopped = select_layers(model, windows, fit=None, budget=Budget(1e-9, None), patience=2)
+    assert len(stopped.trials) == 2 and not stopped.layers and stopped.candidates == 3 and "2 candidates in a row" in stopped.stopped
+    every = select_layers(model, windows, fit=None, budget=Budget(1e-9, None))
+    assert len(every.trials) == 3 and every.stopped is None
