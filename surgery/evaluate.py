@@ -57,10 +57,10 @@ def joined(parts: Sequence[Perplexity]) -> Perplexity:
     sums = [s for p in parts for s in p.window_nll]
     counts = [c for p in parts for c in p.window_tokens]
     loss = sum(sums) / sum(counts)
-    kl = lambda field: tuple(x for p in parts for x in getattr(p, field))  # noqa: E731
+    concat = lambda field: tuple(x for p in parts for x in getattr(p, field))  # noqa: E731
     return Perplexity(
         loss, math.exp(loss), sum(counts), sum(p.windows for p in parts), sum(p.seconds for p in parts), tuple(sums), tuple(counts),
-        kl("window_kl"), kl("window_top1"), kl("token_kl"),
+        concat("window_kl"), concat("window_top1"), concat("token_kl"),
     )
 
 

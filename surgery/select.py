@@ -138,7 +138,8 @@ class Selection:
             "layers": list(self.layers), "forms": {str(k): v for k, v in sorted(self.forms.items())},
             "score": self.score, "fit": self.fit, "base_loss": self.base_loss, "dnll": self.dnll.to_json(),
             "divergence": None if self.divergence is None else self.divergence.to_json(),
-            "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit, "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
+            "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit,
+            "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
