@@ -21,24 +21,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import smollm2, table
+from common import drift_refit, smollm2, table
 
 from surgery import compensation, data, evaluate, graph
-from surgery.compensation import KINDS
 from surgery.layers import format_layers
 from surgery.select import PATIENCE, Budget, rewrite, select_layers
 
 FITS = {"plain": None, "compensated": "full", "refit": "full", "drift": "full"}
-
-
-def drift_refit(model, fit_windows, chosen: list[int], fixes: dict, stream: dict) -> dict:
-    """Each chosen block's fix, in layer order, fitted to the original resid_post with the blocks before it rewritten."""
-    fixes = dict(fixes)
-    for layer in sorted(chosen)[1:]:
-        before = {l for l in chosen if l < layer}
-        on = {KINDS[0]: before, KINDS[1]: before & set(fixes)}
-        fixes[layer] = compensation.fit(model, fit_windows, {layer}, fixes=fixes, on=on, drift=stream)[layer].fix
-    return fixes
 
 
 def main() -> None:

@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import smollm2
+from common import drift_refit, smollm2
 
 from surgery import compensation, data, evaluate, graph
-from surgery.compensation import KINDS
 from surgery.layers import parse_layers
 from surgery.select import rewrite
 
@@ -45,7 +44,7 @@ def main() -> None:
         tuning = cal.take(range(40, 72))
         more = cal.take(list(range(40)) + list(range(72, 107)))  # 75 windows, none of them a tuning window
         grid = compensation.RIDGES + (10.0, 30.0, 100.0)
-        old_grid = tuple(r for r in compensation.RIDGES if r in (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0))
+        old_grid = (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
         for name, windows, ridges in (("32 fit windows, ridges to 1", fit_windows, old_grid),
                                       ("32 fit windows, ridges to 100", fit_windows, grid),
                                       ("75 fit windows, ridges to 100", more, grid)):
@@ -60,13 +59,8 @@ def main() -> None:
         stream: dict = {}
         fits = compensation.fit(model, fit_windows, keep_stream=stream)
         own = {l: fits[l].fix for l in layers}
-        for name, fixes in (("own defect", own),):
-            print(f"{name}: selection {score(model, layers, fixes, selection)}; evaluation {score(model, layers, fixes, evaluation)}", flush=True)
-        drift = dict(own)
-        for layer in layers[1:]:
-            before = {l for l in layers if l < layer}
-            on = {KINDS[0]: before, KINDS[1]: before}
-            drift[layer] = compensation.fit(model, fit_windows, {layer}, fixes=drift, on=on, drift=stream)[layer].fix
+        print(f"own defect: selection {score(model, layers, own, selection)}; evaluation {score(model, layers, own, evaluation)}", flush=True)
+        drift = drift_refit(model, fit_windows, layers, own, stream)
         print(f"drift-correcting, in layer order: selection {score(model, layers, drift, selection)}; "
               f"evaluation {score(model, layers, drift, evaluation)}", flush=True)
 

@@ -50,10 +50,10 @@ class Trial:
     low: float  # 95 % paired bootstrap interval over the selection windows
     high: float
     kept: bool
-    kl: float = float("nan")  # mean token KL(original || chosen set plus this layer), selection windows
-    kl_low: float = float("nan")  # its 95 % bootstrap interval over the selection windows
-    kl_high: float = float("nan")
-    top1: float = float("nan")  # top-1 agreement with the original
+    kl: float  # mean token KL(original || chosen set plus this layer), selection windows
+    kl_low: float  # its 95 % bootstrap interval over the selection windows
+    kl_high: float
+    top1: float  # top-1 agreement with the original
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +206,13 @@ def select_layers(
     candidates.sort(key=lambda layer: stats[score][layer])
     fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
     scorers = _scorers(pool, graphs.switchboard(model, KINDS, fixes), options)
-    passes = 0
 
     batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
-    reference: list[evaluate.Reference] = []  # the original's log-probs on each batch: [BATCH, seq, vocab] float32
+    parts = list(scorers.map("recording", [(batch,) for batch in batches], batch_size=BATCH,
+                             extra={graphs.SWITCHES: graphs.switches(KINDS, n)}))
+    passes = 1
+    base = evaluate.joined([p for p, _ in parts])
+    reference = [r for _, refs in parts for r in refs]  # the original's log-probs on each batch: [BATCH, seq, vocab] float32
 
     def loss(forms: dict[int, str], scorers=scorers) -> tuple[Delta, evaluate.Divergence]:
         nonlocal passes
@@ -220,11 +223,6 @@ def select_layers(
         p = evaluate.joined(list(scorers.map("against", jobs, batch_size=BATCH, extra=extra)))
         return evaluate.delta(base, p), evaluate.divergence(p)
 
-    parts = list(scorers.map("recording", [(batch,) for batch in batches], batch_size=BATCH,
-                             extra={graphs.SWITCHES: graphs.switches(KINDS, n)}))
-    passes += 1
-    base = evaluate.joined([p for p, _ in parts])
-    reference += [r for _, refs in parts for r in refs]
     chosen: dict[int, str] = {}
     trials: list[Trial] = []
     current, current_kl = Delta(0.0, 0.0, 0.0), None
