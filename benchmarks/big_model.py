@@ -1,6 +1,6 @@
 """A >= 4 GB Llama-shaped model end to end: peak RSS and seconds of inspect, parallelize and ablate.
 
-    python benchmarks/big_model.py [--gb 4.2] [--dir /work/tmp] [--fit-windows 2] [--seq-len 64]
+    python benchmarks/big_model.py [--gb 4.2] [--dir out] [--fit-windows 2] [--seq-len 64]
 
 Builds graphs/big_decoder.py's decoder (TinyLlama-1.1B shapes, random weights streamed to external
 data) with at least --gb GB (1e9 bytes) of weights in a temporary folder under --dir, runs each
@@ -84,7 +84,7 @@ def folder_bytes(path: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gb", type=float, default=4.2, help="at least this many GB (1e9 bytes) of weights")
-    parser.add_argument("--dir", type=Path, default=Path("/work/tmp"), help="where the temporary folder goes")
+    parser.add_argument("--dir", type=Path, default=ROOT / "out", help="where the temporary folder goes")
     parser.add_argument("--fit-windows", type=int, default=2, help="compensated row: calibration windows of the fit")
     parser.add_argument("--seq-len", type=int, default=64, help="compensated row: tokens per window")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each command: the fastest time and the largest RSS are shown")

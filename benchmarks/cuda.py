@@ -7,9 +7,10 @@ at batch 1 and 8, IO binding, repeats interleaved across the four graphs; one ta
     python benchmarks/cuda.py --smoke     # CPU, tiny models, a few repeats: checks the script, measures nothing
 
 Without a working CUDAExecutionProvider it says so in one line and exits 1. Every session must run on
-CUDA; inputs are placed on the device once, outputs stay there, and the decode's past is the
-prefill's present, left on the device (runtime.Prepared, runtime.decode_inputs), so no timed run
-copies to or from the host. SmolLM2's blocks are the ones `surgery parallelize` chooses on it
+CUDA; its `placement` column says `CUDA` when ORT ran every node there, or lists the ops (and counts)
+that ORT placed on the CPU, read from the profile of each session's first warm-up. Inputs are placed
+on the device once, outputs stay there, and the decode's past is the prefill's present, left on the
+device (runtime.Prepared, runtime.decode_inputs), so no timed run copies to or from the host. SmolLM2's blocks are the ones `surgery parallelize` chooses on it
 (README), compensated with a fix fitted on --fit-windows calibration windows of the built-in corpus.
 The synthetic model (random weights, written once to out/llama-1b-random with external data) has
 every block rewritten; its compensated graph folds a random fix of the fitted form (w_a, w_p, b):
@@ -20,6 +21,7 @@ here, not by graphs/big_decoder.py, because decode needs a KV cache, which that 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -213,7 +215,7 @@ def main() -> None:
     header = (f"onnxruntime {ort.__version__}, {'CPU smoke test, not a measurement' if args.smoke else gpu_name()}, "
               f"{args.repeats} interleaved repeats (warm-up {args.warmup}), IO binding, "
               f"prefill batch x {args.seq_len}, decode 1 token after a cache of {args.seq_len}")
-    rows, providers = [], set()
+    rows, providers, placements = [], set(), {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             start = time.perf_counter()
@@ -232,7 +234,8 @@ def main() -> None:
             else:
                 parser.error(f"unknown model {name!r}; use smollm2 or synthetic")
             graphs = variants(model, layers, fixes)
-            sessions = {g: runtime.session(m, options) for g, m in graphs.items()}
+            # profiled until the first latency run's warm-up ends: where ORT placed each node
+            sessions = {g: runtime.session(m, dataclasses.replace(options, profile=str(Path(tmp) / f"{name}-{g}"))) for g, m in graphs.items()}
             providers |= {s.get_providers()[0] for s in sessions.values()}
             log(f"{label}: {len(layers)} blocks ({format_layers(layers)}), 4 graphs and sessions in {time.perf_counter() - start:.0f} s")
             timed = {}
@@ -242,7 +245,8 @@ def main() -> None:
                                                 warmup=args.warmup, bind=True)
                 log(f"{label}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
             for i, g in enumerate(graphs):
-                row = {"model": label, "graph": g, "blocks": "-" if g == "original" else str(len(layers))}
+                placements[label, g] = timed[batches[0]][i].placement
+                row = {"model": label, "graph": g, "blocks": "-" if g == "original" else str(len(layers)), "placement": str(placements[label, g])}
                 for batch in batches:
                     base, r = timed[batch][0], timed[batch][i]
                     row[f"prefill b{batch} ms (x)"] = f"{r.prefill_ms:.2f} ({base.prefill_ms / r.prefill_ms:.3f})"
@@ -253,7 +257,9 @@ def main() -> None:
     if providers != {expected}:
         print(f"error: sessions ran on {', '.join(sorted(providers))}, not {expected} alone", file=sys.stderr)
         sys.exit(1)
-    print(f"{header}; every session on {expected}")
+    complete = all(p is not None and not p.on_cpu for p in placements.values())
+    print(f"{header}; " + (f"every node of every session on {expected}" if complete else
+                           f"every session on {expected}, with the ops ORT placed on the CPU in the placement column"))
     print(table(rows, list(rows[0])))
     print("\nms = median; x = original median / this graph's median (> 1 is faster), from one interleaved run per model and batch")
 

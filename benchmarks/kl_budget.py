@@ -74,6 +74,7 @@ def main() -> None:
                         sub = drift_refit(model, fit_windows, prefix, {l: s.fixes[l] for l in prefix if l in s.fixes}, stream)
                     curve.append(evaluate.divergence(evaluate.compare([model, rewrite(model, prefix, fixes=sub).model], ev)[1]).kl)
                 curves[method] = curve
+                print(f"{method} @{budget}: held-out KL of each prefix, in the order kept: {[round(k, 4) for k in curve]}", flush=True)
     print(f"\nheld-out: {len(ev)} evaluation windows x 256 ({ev.tokens} tokens); dNLL limit {args.max_loss_increase}")
     print(table(rows, list(rows[0])))
     if args.png:

@@ -256,13 +256,16 @@ def parallelize(
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
             tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray,
         )
+    sel = outcome.selection
+    for layer, why in sel.uncompensated.items():
+        err.print(f"[bold yellow]warning:[/] block {layer} was written plain parallel: its fix could not be made ({escape(why)})",
+                  highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps({"out": str(written), **outcome.to_json()}, indent=2))
         return
     from surgery.layers import format_layers
 
-    sel = outcome.selection
-    forms = {f: sum(1 for v in sel.forms.values() if v == f) for f in ("compensated", "plain")}
+    forms = sel.counts()
     split = f": {forms['compensated']} compensated, {forms['plain']} plain" if sel.fit else ""
     w = outcome.windows
     fit_line = f"1 fit pass over {w['fit']['count']} fit windows{' + 1 refit' if sel.refit else ''}, " if sel.fit else ""
@@ -282,7 +285,8 @@ def parallelize(
     lines += [
         ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
                        f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}; 95 % intervals, nats)"),
-        ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times)"),
+        ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times"
+                              f"{f' on {outcome.estimate_placement}' if outcome.estimate_placement else ''})"),
     ]
     if outcome.prefill_ratio is not None:
         decode = f", decode {outcome.decode_ratio:.3f}x" if outcome.decode_ratio else ""
@@ -382,8 +386,8 @@ def evaluate(
     for column in ("model", "loss", "ppl", "dNLL", "95 % CI", "KL", "95 % CI ", "KL p99", "top-1"):
         table.add_column(column, justify="left" if column == "model" else "right")
     if timings:
-        provider = timings[0].provider.replace("ExecutionProvider", "")
-        for column in (f"prefill ms ({provider})", "decode ms/tok", "prefill x", "decode x"):
+        table.add_column("provider")  # where ORT ran the nodes: CUDA, or CUDA (CPU: the ops it left on the host)
+        for column in ("prefill ms", "decode ms/tok", "prefill x", "decode x"):
             table.add_column(column, justify="right")
     for row in rows:
         low_high = row["dnll_interval"]
@@ -398,6 +402,7 @@ def evaluate(
                       f"{row['kl_p99']:.4f}", f"{100 * row['top1_agreement']:.1f} %"]
         if timings:
             cells += [
+                escape(row["placement"]),
                 f"{row['prefill_ms']:.2f}",
                 "-" if row["decode_ms"] is None else f"{row['decode_ms']:.2f}",
                 f"{row['prefill_ratio']:.3f}",

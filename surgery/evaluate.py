@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -138,7 +139,8 @@ class Latency:
     batch: int
     seq_len: int
     repeats: int
-    provider: str
+    provider: str  # the session's first provider
+    placement: runtime.Placement | None = None  # where ORT ran its nodes; None for a session handed over without a profile
 
 
 def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False) -> ir.Model:
@@ -316,6 +318,8 @@ def rows(models: Sequence, names: Sequence[str], scores: Sequence[Perplexity], t
         if timings:
             t, t0 = timings[i], timings[0]
             row.update(dataclasses.asdict(t))
+            row["placement"] = str(t.placement) if t.placement else runtime.short_name(t.provider)
+            row["on_cpu"] = dict(t.placement.on_cpu) if t.placement else None
             row["prefill_ratio"] = t0.prefill_ms / t.prefill_ms
             row["decode_ratio"] = t0.decode_ms / t.decode_ms if t.decode_ms and t0.decode_ms else None
         out.append(row)
@@ -340,23 +344,15 @@ def latency(
     model each time, so drift on the machine falls on all graphs alike. Same session options for all
     (sessions given ready-made are used as they are). bind: IO binding, as runtime.Prepared (None:
     on CUDA); the decode's past is then the prefill's present, left on the device.
+    The warm-up (at least one run) is profiled, for each session's placement; the timed runs are not. A session
+    given ready-made has its placement read when it was made with Options.profile and not yet ended.
     """
-    sessions = [m if isinstance(m, ort.InferenceSession) else runtime.session(m, options) for m in models]
-    rng = np.random.default_rng(seed)
-    vocab = runtime.vocab_size(sessions[0])
-    ids = rng.integers(0, vocab, size=(batch, seq_len))
-    next_ids = rng.integers(0, vocab, size=(batch, 1))
-    prefill, decode = [], []
-    for sess in sessions:
-        prefill.append(runtime.Prepared(sess, runtime.feeds(sess, ids), bind))
-        if runtime.has_kv_cache(sess):
-            prefill[-1]()
-            decode.append(runtime.Prepared(sess, runtime.decode_inputs(prefill[-1], next_ids), bind))
-        else:
-            decode.append(None)
-    for run in prefill + [d for d in decode if d is not None]:
-        for _ in range(warmup):
-            run()
+    with tempfile.TemporaryDirectory() as tmp:
+        sessions = [
+            m if isinstance(m, ort.InferenceSession) else runtime.session(m, dataclasses.replace(options, profile=str(Path(tmp) / f"{i}")))
+            for i, m in enumerate(models)
+        ]
+        prefill, decode, placements = _warm(sessions, batch, seq_len, max(warmup, 1), seed, bind)
     times = {kind: [[] for _ in sessions] for kind in ("prefill", "decode")}
     n = len(sessions)
     for r in range(repeats):
@@ -383,9 +379,31 @@ def latency(
                 seq_len=seq_len,
                 repeats=repeats,
                 provider=sess.get_providers()[0],
+                placement=placements[i],
             )
         )
     return results
+
+
+def _warm(sessions, batch: int, seq_len: int, warmup: int, seed: int, bind: bool | None):
+    """Each session's prefill and decode runs (decode None without a KV cache), run `warmup` times each,
+    and each session's placement from the profile of those runs."""
+    rng = np.random.default_rng(seed)
+    vocab = runtime.vocab_size(sessions[0])
+    ids = rng.integers(0, vocab, size=(batch, seq_len))
+    next_ids = rng.integers(0, vocab, size=(batch, 1))
+    prefill, decode = [], []
+    for sess in sessions:
+        prefill.append(runtime.Prepared(sess, runtime.feeds(sess, ids), bind))
+        if runtime.has_kv_cache(sess):
+            prefill[-1]()
+            decode.append(runtime.Prepared(sess, runtime.decode_inputs(prefill[-1], next_ids), bind))
+        else:
+            decode.append(None)
+    for run in prefill + [d for d in decode if d is not None]:
+        for _ in range(warmup):
+            run()
+    return prefill, decode, [runtime.placement(sess) for sess in sessions]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +413,7 @@ class BranchTimes:
     attn_ms: tuple[float, ...]
     mlp_ms: tuple[float, ...]
     total_ms: float  # every kernel of the graph
+    placement: runtime.Placement | None = None  # where the profiled session ran: the device of these times
 
     def estimated_speedup(self, layers) -> float:
         """The paper's estimate: a parallel block costs max(t_attn, t_mlp) instead of their sum."""
@@ -402,13 +421,15 @@ class BranchTimes:
         return self.total_ms / (self.total_ms - saved)
 
 
-def branch_times(model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: int = 5, seed: int = 0) -> BranchTimes:
+def branch_times(
+    model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: int = 5, seed: int = 0, options: runtime.Options = runtime.Options()
+) -> BranchTimes:
     """Profile prefill with ONNX Runtime's profiler (basic optimisations keep node names) and add each
     node's kernel time to its block's branch. Nodes that several blocks share (mask, rotary) count
-    only in the total."""
-    import os
-    import tempfile
-
+    only in the total. The session has `options` but for those two, so the times are on the device
+    that latency() with the same options measures (CUDA when usable, for auto). On CUDA a node's time is
+    what ORT's profiler records, the host side of its kernel (launch, and any wait on the device): ORT's pip
+    build has no CUPTI for device times."""
     from surgery.blocks import branch_nodes, find_blocks
 
     blocks = find_blocks(model)
@@ -418,13 +439,12 @@ def branch_times(model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: i
             for node in branch_nodes(model, block, branch):
                 owner[node.name] = (block.layer, branch) if node.name not in owner else None
     with tempfile.TemporaryDirectory() as tmp:
-        options = runtime.Options(optimization="basic", device="cpu", profile=os.path.join(tmp, "profile"))
-        sess = runtime.session(model, options)
+        sess = runtime.session(model, dataclasses.replace(options, optimization="basic", profile=str(Path(tmp) / "profile")))
         ids = np.random.default_rng(seed).integers(0, runtime.vocab_size(sess), size=(batch, seq_len))
         inputs = runtime.feeds(sess, ids)
         for _ in range(runs):
             sess.run(None, inputs)
-        events = json.loads(Path(sess.end_profiling()).read_text())
+        events = runtime.profile_events(sess)
     attn, mlp, total = np.zeros(len(blocks)), np.zeros(len(blocks)), 0.0
     for event in events:
         if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
@@ -434,7 +454,7 @@ def branch_times(model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: i
         where = owner.get(event["name"][: -len("_kernel_time")])
         if where is not None:
             (attn if where[1] == "attn" else mlp)[where[0]] += ms
-    return BranchTimes(tuple(attn.tolist()), tuple(mlp.tolist()), total)
+    return BranchTimes(tuple(attn.tolist()), tuple(mlp.tolist()), total, runtime.placement_of(events, sess.get_providers()[0]))
 
 
 def check_seq_len(model: str | Path, seq_len: int, decode: bool = True) -> None:

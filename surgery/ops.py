@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 MS = "com.microsoft"
 STANDARD_DOMAINS = ("", "ai.onnx")
-UNFUSED_KEY = "surgery.unfused"  # node metadata: JSON {"op", "name", "role"} of the fused op it was split from
+UNFUSED_KEY = "surgery.unfused"  # node metadata: JSON {"op", "name", "role"[, "epsilon"]} of the fused op it was split from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,7 @@ class SkipNorm:
     beta: int | None  # LayerNorm's additive bias
     bias: int | None  # added to the sum (the branch's output bias, folded in by the fusion)
     sum_output: int = 3
+    epsilon: float = 1e-12  # ONNX Runtime's schema default, when the node has no epsilon attribute
 
 
 SKIP_NORMS = {
@@ -45,13 +46,19 @@ NORMS = {
     "RMSNormalization": "RMSNorm",
     "SimplifiedLayerNormalization": "RMSNorm",
 }
+# The epsilon each normalisation op computes with when it has no epsilon attribute (the op schemas' defaults).
+EPSILON = {op: 1e-5 for op in NORMS} | {op: spec.epsilon for op, spec in SKIP_NORMS.items()}
 # Ops that mix tokens: a branch holding one is attention.
 ATTENTION = frozenset(
     {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedMultiHeadAttention", "PagedAttention",
      "SparseAttention", "DecoderMaskedMultiHeadAttention"}
 )
 # Projections by a weight: op -> the input index of the weight. Only "MatMul" and "Gemm" hold it as plain floats.
-PROJECTIONS = {"MatMul": 1, "Gemm": 1, "FusedMatMul": 1, "MatMulNBits": 1}
+PROJECTIONS = {"MatMul": 1, "Gemm": 1, "FusedMatMul": 1, "MatMulNBits": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1,
+               "MatMulIntegerToFloat": 1}
+# Quantizers: op -> the input whose values its output 0 carries; its other inputs and outputs are scales and
+# zero points (onnxruntime.quantization's dynamic int8 and QDQ graphs).
+QUANTIZERS = {"DynamicQuantizeLinear": 0, "QuantizeLinear": 0, "DequantizeLinear": 0}
 QUANTIZED = frozenset({"MatMulNBits", "GatherBlockQuantized"})
 # Token embeddings: op -> (table input, input whose float type is the stream's).
 EMBEDDINGS = {"Gather": (0, 0), "GatherBlockQuantized": (0, 2)}
@@ -108,7 +115,8 @@ def unfuse(model: ir.Model) -> int:
         spec = SKIP_NORMS.get(node.op_type) if node.domain == MS else None
         if spec is None or any(_read(out) for out in node.outputs[1 : spec.sum_output]):
             continue
-        tag = lambda role: json.dumps({"op": node.op_type, "name": node.name, "role": role})  # noqa: E731
+        eps = node.attributes.get("epsilon")
+        tag = lambda role, **more: json.dumps({"op": node.op_type, "name": node.name, "role": role, **more})  # noqa: E731
         a, b = node.inputs[0], node.inputs[1]
         new = []
         bias = _input(node, spec.bias)
@@ -124,10 +132,9 @@ def unfuse(model: ir.Model) -> int:
         norm_inputs = [add.outputs[0], node.inputs[spec.scale]]
         if spec.beta is not None and _input(node, spec.beta) is not None:
             norm_inputs.append(node.inputs[spec.beta])
-        eps = node.attributes.get("epsilon")
-        norm = ir.node(
-            spec.norm, norm_inputs, name=f"{node.name}/norm", metadata_props={UNFUSED_KEY: tag("norm")},
-            attributes={"axis": -1, "epsilon": float(eps.value) if eps is not None else 1e-5, "stash_type": 1},
+        norm = ir.node(  # computes with the fused op's epsilon; `epsilon` says whether the op stated it
+            spec.norm, norm_inputs, name=f"{node.name}/norm", metadata_props={UNFUSED_KEY: tag("norm", epsilon=eps is not None)},
+            attributes={"axis": -1, "epsilon": float(eps.value) if eps is not None else spec.epsilon, "stash_type": 1},
         )
         new += [add, norm]
         old_values, new_values = [node.outputs[0]], [norm.outputs[0]]
@@ -171,11 +178,13 @@ def refuse(model: ir.Model) -> int:
                 inputs.append(norm.inputs[2] if len(norm.inputs) > 2 else None)
             if bias_node is not None:
                 inputs += [None] * (spec.bias - len(inputs)) + [bias_node.inputs[1]]
-            eps = norm.attributes.get("epsilon")
+            origin = json.loads(norm.metadata_props[UNFUSED_KEY])
+            eps = float(norm.attributes["epsilon"].value)
+            stated = origin.get("epsilon", True) or eps != spec.epsilon  # written back as read: absent when it was
             fused = ir.node(
                 op, inputs, domain=MS, num_outputs=spec.sum_output + 1 if norm is keeper else 1,
-                name=json.loads(norm.metadata_props[UNFUSED_KEY])["name"] + ("" if norm is norms[0] else f"/{len(norms)}"),
-                attributes={"epsilon": float(eps.value) if eps is not None else 1e-5},
+                name=origin["name"] + ("" if norm is norms[0] else f"/{len(norms)}"),
+                attributes={"epsilon": eps} if stated else {},
             )
             old_values, new_values = [norm.outputs[0]], [fused.outputs[0]]
             if norm is keeper:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ class Options:
     optimization: str = "all"
     execution: str = "sequential"  # or "parallel": independent nodes (attention and mlp) run at once
     device: str = "auto"  # "auto" (CUDA when usable), "cuda" or "cpu"
-    profile: str | None = None  # file prefix: ORT writes a JSON profile of every kernel run there
+    profile: str | None = None  # file prefix: ORT writes a JSON profile of every kernel run there (see `placement`)
     memory_reuse: bool = True  # False: no plan of buffers shared between values (see `analysis`)
 
 
@@ -57,6 +59,7 @@ def cuda_usable() -> bool:
         options = ort.SessionOptions()
         options.log_severity_level = _FATAL_ONLY
         session = ort.InferenceSession(ir.to_proto(probe).SerializeToString(), options, providers=[CUDA])
+        session.run(None, {"x": np.zeros(1, np.float32)})  # a session can start where no kernel can run
         return session.get_providers()[0] == CUDA
     except Exception:  # a broken CUDA install must not stop a CPU run
         return False
@@ -186,7 +189,59 @@ class Portable:
 
 
 def on_cuda(sess: ort.InferenceSession) -> bool:
+    """True when the session's inputs belong on the GPU (its first provider is CUDA); where each node runs is `placement`."""
     return sess.get_providers()[0] == CUDA
+
+
+def short_name(provider: str) -> str:
+    """CUDAExecutionProvider -> CUDA."""
+    return provider.removesuffix("ExecutionProvider")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where ONNX Runtime ran a session's nodes (after its graph optimizations): the session's first provider,
+    and the op types of the nodes it placed on the CPU instead, with their counts. On CUDA these are ops with no
+    CUDA kernel for their types (an fp32 GroupQueryAttention has none) and the small shape computations ORT
+    keeps on the host on purpose."""
+
+    provider: str  # the session's first provider, e.g. CUDAExecutionProvider
+    nodes: int  # distinct nodes that ran
+    on_cpu: tuple[tuple[str, int], ...] = ()  # (op type, nodes) on CPUExecutionProvider when `provider` is another; most first
+
+    def __str__(self) -> str:
+        """`CUDA`, or `CUDA (CPU: GroupQueryAttention x4, Shape x2)`."""
+        if not self.on_cpu:
+            return short_name(self.provider)
+        return f"{short_name(self.provider)} (CPU: {', '.join(f'{op} x{n}' for op, n in self.on_cpu)})"
+
+
+def profile_events(sess: ort.InferenceSession) -> list[dict] | None:
+    """End the profile of `sess` (made with Options.profile) and read the events ORT wrote; None when the
+    session does not profile or its profile has ended. Later runs of the session are not profiled."""
+    if not sess.get_session_options().enable_profiling:
+        return None
+    written = sess.end_profiling()  # "" once ended: ORT writes a profile once
+    return json.loads(Path(written).read_text()) if written else None
+
+
+def placement_of(events: list[dict], provider: str) -> Placement:
+    """The Placement that ORT's profile `events` show for a session whose first provider is `provider`.
+    Each node that ran has one "Node" event "<node name>_kernel_time" per run, whose args give its op_name
+    and provider; a node counts once however many runs the profile holds."""
+    nodes: dict[str, tuple[str, str]] = {}
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            nodes[event["name"].removesuffix("_kernel_time")] = (event["args"]["provider"], event["args"]["op_name"])
+    on_cpu = collections.Counter(op for where, op in nodes.values() if where == CPU) if provider != CPU else {}
+    return Placement(provider, len(nodes), tuple(sorted(on_cpu.items(), key=lambda item: (-item[1], item[0]))))
+
+
+def placement(sess: ort.InferenceSession) -> Placement | None:
+    """Where ORT ran the nodes of `sess`, from the profile of its runs so far (Options.profile; run it once
+    first), which this ends; None for a session without a profile or with one already ended."""
+    events = profile_events(sess)
+    return None if events is None else placement_of(events, sess.get_providers()[0])
 
 
 def feeds(

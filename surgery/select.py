@@ -35,6 +35,7 @@ from surgery.diagnostics import defect, graphs
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
+from surgery.passes.fuse import refusal as fuse_refusal
 
 SCORES = ("c_comp", "c_stream", "c")
 FITS = ("full", "gate")  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate)
@@ -117,6 +118,18 @@ class Selection:
     stopped: str | None = None  # why the greedy stopped before the last candidate
 
     @property
+    def uncompensated(self) -> dict[int, str]:
+        """Each chosen block written plain although compensation was asked for because its fix could not be
+        made (a failed fit, or weights it cannot be folded into) -> why. Plain chosen on measurement is not here."""
+        if self.fit is None:
+            return {}
+        return {l: self.fits[l].note or "no fix" for l in self.layers if self.forms[l] == "plain" and l in self.fits and self.fits[l].fix is None}
+
+    def counts(self) -> dict[str, int]:
+        """How many chosen blocks were written in each form."""
+        return {f: sum(1 for v in self.forms.values() if v == f) for f in ("compensated", "plain")}
+
+    @property
     def fixes(self) -> dict[int, Fix]:
         """The fix of each block chosen in compensated form."""
         return {l: self.fits[l].fix for l in self.layers if self.forms[l] == "compensated"}
@@ -139,6 +152,7 @@ class Selection:
             "score": self.score, "fit": self.fit, "base_loss": self.base_loss, "dnll": self.dnll.to_json(),
             "divergence": None if self.divergence is None else self.divergence.to_json(),
             "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit,
+            "uncompensated": {str(k): v for k, v in self.uncompensated.items()},
             "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
@@ -191,7 +205,7 @@ def select_layers(
     if fit is not None:
         fits = compensation.fit(model, fit_windows, kind=fit, options=options, progress=lambda d, t: tell("fit (one pass)", d, t))
         stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
-        stats["c_comp"] = [fits[l].c_comp if l in fits else None for l in range(n)]
+        stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
     else:
         fits = {}
         stats = defect.scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
@@ -199,11 +213,13 @@ def select_layers(
     seconds["fit" if fit else "scores"] = time.perf_counter() - start
 
     start = time.perf_counter()
+    # A block without a fix (a failed fit, or weights it cannot be folded into) can only be written plain: its plain score ranks it.
+    rank = [stats[score][l] if stats[score][l] is not None or score != "c_comp" else stats["c_stream"][l] for l in range(n)]
     candidates = [
         b.layer for b in blocks
-        if not b.is_parallel and protect_first <= b.layer < n - protect_last and stats[score][b.layer] is not None
+        if not b.is_parallel and protect_first <= b.layer < n - protect_last and rank[b.layer] is not None
     ]
-    candidates.sort(key=lambda layer: stats[score][layer])
+    candidates.sort(key=lambda layer: rank[layer])
     fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
     scorers = _scorers(pool, graphs.switchboard(model, KINDS, fixes), options)
 
@@ -237,7 +253,7 @@ def select_layers(
         passing = []
         for form in _forms(layer, fits, try_both):
             d, kl = loss({**chosen, layer: form})
-            trials.append(Trial(layer, form, float(stats[score][layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1))
+            trials.append(Trial(layer, form, float(rank[layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1))
             if budget.holds(d, kl):
                 passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
                 if not try_both:
@@ -289,6 +305,16 @@ def select_layers(
     )
 
 
+def _form(selection: Selection, fused: bool) -> str:
+    """What was written, in words: `compensated`, `calibrated`, `plain`, `compensated and plain` (maybe `fused ...`), or `none`."""
+    counts = selection.counts()
+    fixed = {"full": "compensated", "gate": "calibrated", None: "plain"}[selection.fit]
+    if not selection.layers:
+        return "none"
+    kinds = [k for k, c in ((fixed, counts["compensated"]), ("plain", counts["plain"])) if c]
+    return ("fused " if fused else "") + " and ".join(dict.fromkeys(kinds))
+
+
 def _forms(layer: int, fits: dict[int, Fit], try_both: bool) -> tuple[str, ...]:
     """The forms to try for a candidate, in order. Compensated first when it has a fix; plain after
     it only with try_both, or when the fit does not lower the held-out defect (a bad fit)."""
@@ -300,10 +326,14 @@ def _forms(layer: int, fits: dict[int, Fit], try_both: bool) -> tuple[str, ...]:
 
 def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=64,
               tokenizer=None, options=runtime.Options()) -> dict[int, Fix]:
-    """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers)."""
+    """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers).
+    A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
     windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
     fits = compensation.fit(model, windows, set(layers), kind=fit, options=options)
-    return {l: f.fix for l, f in fits.items() if f.fix is not None}
+    for layer, f in sorted(fits.items()):
+        if f.fix is None:
+            raise SurgeryError(f"cannot compensate block {layer}: {f.note}; or parallelize it plain with --no-compensate")
+    return {l: f.fix for l, f in fits.items()}
 
 
 def rewrite(model: ir.Model, layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
@@ -333,6 +363,7 @@ class Outcome:
     decode_ratio: float | None
     latency: dict | None
     windows: dict  # fit / selection / evaluation: count and tokens
+    estimate_placement: str | None = None  # where the estimate's kernels were profiled: the latency's device
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -380,7 +411,11 @@ def auto(
     tell = progress or (lambda stage, done, total: None)
     model = graph.load(model_path)
     graph.check_output(out, model_path, model)
-    find_blocks(model, where=str(model_path))
+    blocks = find_blocks(model, where=str(model_path))
+    if fused:  # before any work: a block that cannot be fused would fail only after the fit and the selection
+        for block in blocks[protect_first : len(blocks) - protect_last]:
+            if not block.is_parallel and (why := fuse_refusal(model, block)) is not None:
+                raise SurgeryError(f"{why} (--fuse applies to every chosen block; drop --fuse or protect the block)")
     get = lambda part, count: data.windows(model_path, corpus, seq_len=seq_len, max_windows=count, part=part, tokenizer=tokenizer)  # noqa: E731
     if fit is not None:
         fit_part, sel = data.deal(get("calibration", fit_windows + windows), [fit_windows, windows], ["fit", "selection"])
@@ -402,7 +437,8 @@ def auto(
         tell("evaluation windows", done[0], 2 * len(ev))
 
     base, after = evaluate.compare([model, rewritten], ev, options=options, progress=step)
-    estimate = evaluate.branch_times(model, seq_len=seq_len, runs=3).estimated_speedup(selection.layers)
+    times = evaluate.branch_times(model, seq_len=seq_len, runs=3, options=options)  # on the latency's device
+    estimate = times.estimated_speedup(selection.layers)
     prefill = decode = timing = None
     if measure_latency:
         timed = evaluate.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
@@ -410,11 +446,10 @@ def auto(
         prefill = timed[0].prefill_ms / timed[1].prefill_ms
         decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None
         timing = {"original": dataclasses.asdict(timed[0]), "rewritten": dataclasses.asdict(timed[1])}
-    kinds = {"full": "compensated", "gate": "calibrated", None: "plain"}
-    form = ("fused " if fused else "") + kinds[fit]
+    form = _form(selection, fused)
     described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
     outcome = Outcome(selection, form, base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after), estimate, prefill, decode,
-                      timing, described)
+                      timing, described, str(times.placement))
     report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
     written = graph.write(rewritten, out, like=model_path, extra={report: json.dumps(outcome.to_json(), indent=2)})
     return outcome, written

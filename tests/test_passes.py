@@ -191,3 +191,34 @@ def test_normalised_branch_outputs_are_found_and_refuse_folding(tiny):
     for rewrite in (lambda: fuse(tiny.onnx, {1}), lambda: compensate(tiny.onnx, {1: fix})):
         with pytest.raises(SurgeryError, match="block 1: it normalises its branch outputs"):
             rewrite()
+
+
+def test_fuse_refuses_an_rmsnorm_whose_epsilon_it_cannot_read(fixture_path):
+    """A decomposed RMSNorm whose epsilon is computed, not a constant: --fuse says so instead of assuming one."""
+    from surgery.blocks import block_norms
+    from surgery.passes import fuse
+
+    model = graph.load(fixture_path("llama"))
+    block = find_blocks(model)[1]
+    ln1, _ = block_norms(model, block)
+    assert ln1.eps == pytest.approx(1e-6)  # what the export's constant says
+    add = next(n for n in model.graph if n.op_type == "Add" and n.name == "/model/layers.1/input_layernorm/Add")
+    assert add.inputs[0].producer().op_type == "ReduceMean"
+    eps_index = 1
+    computed = ir.node("Abs", [add.inputs[eps_index]])  # the same number, no longer a constant
+    model.graph.insert_before(add, computed)
+    add.replace_input_with(eps_index, computed.outputs[0])
+    assert block_norms(model, block)[0].eps is None
+    with pytest.raises(SurgeryError, match="cannot fuse block 1: the normalisations' epsilon is not one constant"):
+        fuse(model, {1})
+    fuse(model, {0})  # the other blocks still fuse
+
+
+def test_the_stream_dtype_comes_from_the_graph_or_the_tap_fails(fixture_path):
+    model = graph.load(fixture_path("llama"))
+    assert graph.stream_dtype(model) == ir.DataType.FLOAT
+    untyped = next(v.name for n in model.graph for v in n.outputs if v.dtype is None)
+    table = next(n for n in model.graph if n.op_type == "Gather" and n.inputs[0].is_initializer())
+    table.inputs[0].dtype = None  # nothing in the graph says what the stream is any more
+    with pytest.raises(SurgeryError, match="cannot tell the residual stream's float type"):
+        graph.tap(model, [untyped])

@@ -1,12 +1,18 @@
-"""runtime: the IO-binding path (bound on CPU host buffers here, on the device under CUDA) and the CUDA benchmark's refusal."""
+"""runtime: the IO-binding path (bound on CPU host buffers here, on the device under CUDA), where ORT placed each node
+(a mocked CUDA profile, real CPU ones), and the CUDA benchmark's refusal and smoke run."""
 
+import collections
+import dataclasses
+import json
+import math
 import subprocess
 import sys
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 
-from surgery import runtime
+from surgery import evaluate, graph, runtime
 from tests.conftest import ROOT
 
 
@@ -80,3 +86,164 @@ def test_two_onnxruntime_builds_get_one_warning_line(monkeypatch, fixture_path):
     assert "onnxruntime and onnxruntime-gpu" in clash and "pip install onnxruntime-gpu`" in clash
     result = CliRunner().invoke(app, ["evaluate", str(fixture_path("llama")), "--max-windows", "1", "--seq-len", "16", "--no-latency"])
     assert result.exit_code == 0 and result.stderr.splitlines() == [f"warning: {clash}"]
+
+
+def _kernel(node: str, op: str, provider: str, dur: int = 10) -> dict:
+    """One "Node" event of ORT's profile, as ORT writes it (sequential_executor.cc: "<node>_kernel_time", args op_name, provider)."""
+    return {"cat": "Node", "name": f"{node}_kernel_time", "dur": dur, "args": {"op_name": op, "provider": provider}}
+
+
+def test_a_cuda_profile_lists_the_ops_ort_placed_on_the_cpu_with_their_counts():
+    run = (
+        [_kernel(f"attn.{l}", "GroupQueryAttention", runtime.CPU) for l in range(4)]
+        + [_kernel(f"shape.{i}", "Shape", runtime.CPU) for i in range(2)]
+        + [_kernel(f"mm.{i}", "MatMul", runtime.CUDA) for i in range(8)]
+        + [_kernel("copy", "MemcpyToHost", runtime.CUDA)]
+    )
+    noise = [{"cat": "Session", "name": "model_run", "dur": 99, "args": {}},
+             {"cat": "Node", "name": "attn.0_fence_before", "dur": 0, "args": {"op_name": "GroupQueryAttention"}}]
+    placed = runtime.placement_of(noise + run + run, runtime.CUDA)  # two runs: each node counts once
+    assert placed == runtime.Placement(runtime.CUDA, 15, (("GroupQueryAttention", 4), ("Shape", 2)))
+    assert str(placed) == "CUDA (CPU: GroupQueryAttention x4, Shape x2)"
+    on_cuda = runtime.placement_of([e for e in run if e["args"]["provider"] == runtime.CUDA], runtime.CUDA)
+    assert str(on_cuda) == "CUDA" and on_cuda.nodes == 9 and on_cuda.on_cpu == ()
+    assert str(runtime.placement_of(run, runtime.CPU)) == "CPU"  # a CPU session has nothing to fall back from
+
+
+def _small_graph() -> ir.Model:
+    """x [2, 8] -> MatMul, Add, Relu, Transpose, Softmax -> y: no Constant or Cast nodes, which ORT turns
+    into initializers or drops however it is set."""
+    rng = np.random.default_rng(0)
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 8]))
+    w = ir.Value(name="w", const_value=ir.tensor(rng.standard_normal((8, 8)).astype(np.float32), name="w"))
+    b = ir.Value(name="b", const_value=ir.tensor(rng.standard_normal(8).astype(np.float32), name="b"))
+    nodes = [ir.node("MatMul", [x, w])]
+    nodes.append(ir.node("Add", [nodes[-1].outputs[0], b]))
+    nodes.append(ir.node("Relu", [nodes[-1].outputs[0]]))
+    nodes.append(ir.node("Add", [nodes[-1].outputs[0], nodes[0].outputs[0]]))
+    nodes.append(ir.node("Transpose", [nodes[-1].outputs[0]], attributes={"perm": [1, 0]}))
+    nodes.append(ir.node("Softmax", [nodes[-1].outputs[0]], attributes={"axis": -1}))
+    for i, node in enumerate(nodes):
+        node.name = node.outputs[0].name = f"n{i}"
+    nodes[-1].outputs[0].name, nodes[-1].outputs[0].dtype, nodes[-1].outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape([8, 2])
+    g = ir.Graph([x], [nodes[-1].outputs[0]], nodes=nodes, initializers=[w, b], opset_imports={"": 17})
+    return ir.Model(g, ir_version=8)
+
+
+def _cpu_ops(sess) -> dict[str, int]:
+    """Op counts of every node a profiled CPU session ran: read as if it were meant for CUDA, each is a CPU fallback."""
+    placed = runtime.placement_of(runtime.profile_events(sess), runtime.CUDA)
+    assert sum(n for _, n in placed.on_cpu) == placed.nodes  # every node ran on CPUExecutionProvider
+    return dict(placed.on_cpu)
+
+
+def test_a_real_cpu_profile_places_every_node_of_the_graph_on_the_cpu(tmp_path):
+    model = _small_graph()
+    sess = runtime.session(model, runtime.Options(device="cpu", optimization="disable", profile=str(tmp_path / "p")))
+    sess.run(None, {"x": np.ones((2, 8), np.float32)})
+    sess.run(None, {"x": np.ones((2, 8), np.float32)})
+    assert _cpu_ops(sess) == dict(collections.Counter(n.op_type for n in model.graph))  # {"Add": 2, "MatMul": 1, ...}
+    assert runtime.placement(sess) is None  # its profile has ended
+
+
+def test_a_real_cpu_profile_counts_the_nodes_of_the_graph_ort_optimized(tmp_path, fixture_path):
+    """At level `all` ORT fuses (SimplifiedLayerNormalization, FusedMatMul, ...): the placement has the nodes that
+    ran, the ones of the optimized graph ORT writes out, not the exported graph's."""
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level, so.optimized_model_filepath = runtime.OPTIMIZATION["all"], str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(fixture_path("llama") / "model.onnx"), so, providers=[runtime.CPU])
+    optimized = collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    sess = runtime.session(fixture_path("llama"), runtime.Options(device="cpu", optimization="all", profile=str(tmp_path / "p")))
+    sess.run(None, runtime.feeds(sess, np.zeros((1, 8), np.int64)))
+    ops = _cpu_ops(sess)
+    assert ops == dict(optimized) and "SimplifiedLayerNormalization" in ops
+    exported = collections.Counter(n.op_type for n in graph.load(fixture_path("llama")).graph)
+    assert ops != dict(exported)
+
+
+def test_latency_reads_each_sessions_placement_from_its_warm_up(fixture_path, tmp_path):
+    handed = runtime.session(fixture_path("gpt2"), runtime.Options(device="cpu"))  # made without a profile
+    profiled = runtime.session(fixture_path("gpt2"), runtime.Options(device="cpu", profile=str(tmp_path / "p")))
+    made, plain, given = evaluate.latency([fixture_path("llama"), handed, profiled], seq_len=16, repeats=2, warmup=0)
+    assert made.placement.provider == runtime.CPU and made.placement.nodes > 100 and str(made.placement) == "CPU"
+    assert plain.placement is None and given.placement.nodes > 100
+    assert runtime.placement(profiled) is None  # latency ended its profile before the timed runs
+    first, second = evaluate.rows(["a", "b"], ["a", "b"], [_score()] * 2, [made, plain])
+    assert first["placement"] == "CPU" and first["on_cpu"] == {} and first["provider"] == runtime.CPU
+    assert second["placement"] == "CPU" and second["on_cpu"] is None  # the provider alone, where no profile says more
+
+
+def _score():
+    return evaluate.Perplexity(1.0, math.e, 4, 2, 0.1, (2.0, 2.0), (2, 2), (0.0, 0.0), (2, 2), (0.0,) * 4)
+
+
+def _cuda_latency():
+    placed = runtime.Placement(runtime.CUDA, 120, (("GroupQueryAttention", 4), ("Shape", 2)))
+    return evaluate.Latency(2.0, 2.5, 0.5, 0.6, 1, 16, 2, runtime.CUDA, placed)
+
+
+def test_evaluate_shows_a_cuda_session_with_the_ops_it_left_on_the_cpu(monkeypatch, fixture_path):
+    from typer.testing import CliRunner
+
+    from surgery.cli import app
+
+    monkeypatch.setattr(evaluate, "latency", lambda models, **kwargs: [_cuda_latency() for _ in models])
+    args = ["evaluate", str(fixture_path("llama")), "--max-windows", "1", "--seq-len", "16", "--repeats", "2"]
+    result = CliRunner().invoke(app, args + ["--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["models"]
+    assert row["placement"] == "CUDA (CPU: GroupQueryAttention x4, Shape x2)" and row["on_cpu"] == {"GroupQueryAttention": 4, "Shape": 2}
+    assert row["provider"] == runtime.CUDA
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0 and "CUDA (CPU: GroupQueryAttention x4, Shape x2)" in table.stdout
+
+
+@pytest.fixture
+def cuda_asked(monkeypatch):
+    """A machine whose CUDA is usable, as far as surgery can tell; sessions record the providers asked for, then run on the CPU."""
+    asked = []
+    real = runtime.session
+
+    def session(model, options=runtime.Options()):
+        asked.append(runtime.providers(options.device))
+        return real(model, dataclasses.replace(options, device="cpu"))
+
+    monkeypatch.setattr(runtime, "cuda_usable", lambda: True)
+    monkeypatch.setattr(runtime, "session", session)
+    return asked
+
+
+def test_the_speedup_estimate_is_profiled_where_the_latency_runs(cuda_asked, fixture_path):
+    model = graph.load(fixture_path("llama"))
+    times = evaluate.branch_times(model, seq_len=16, runs=1)
+    evaluate.latency([model], seq_len=16, repeats=1, warmup=1)
+    assert cuda_asked == [(runtime.CUDA, runtime.CPU)] * 2
+    assert times.placement.provider == runtime.CPU and times.placement.nodes > 100  # the session that really ran
+    evaluate.branch_times(model, seq_len=16, runs=1, options=runtime.Options(device="cpu"))
+    assert cuda_asked[-1] == (runtime.CPU,)
+
+
+def test_the_main_job_profiles_its_estimate_with_the_latencys_options(monkeypatch, fixture_path, tmp_path):
+    from surgery import select
+
+    seen = {}
+    real = evaluate.branch_times
+    monkeypatch.setattr(evaluate, "branch_times", lambda model, **kw: seen.setdefault("estimate", kw["options"]) and real(model, **kw))
+    monkeypatch.setattr(evaluate, "latency", lambda models, **kw: seen.setdefault("latency", kw["options"]) and [_cuda_latency()] * 2)
+    options = runtime.Options(device="cpu", threads=1)
+    outcome, _ = select.auto(fixture_path("llama"), tmp_path / "out", seq_len=16, windows=2, eval_windows=1, fit=None, repeats=1, options=options)
+    assert seen == {"estimate": options, "latency": options}
+    assert outcome.estimate_placement == "CPU"
+
+
+def test_the_cuda_benchmark_smoke_run_prints_each_graphs_placement():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda.py"), "--smoke", "--models", "synthetic"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "every node of every session on CPUExecutionProvider" in done.stdout
+    header, _, *rows = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert "placement" in header and len(rows) == 4
+    assert all(row.split("|")[4].strip() == "CPU" for row in rows)

@@ -125,7 +125,8 @@ def test_auto_command_writes_the_model_and_selection_json(tmp_path, fixture_path
         assert isinstance(saved[key], float)
     low, high = saved["dnll_eval_interval"]
     assert low <= saved["dnll_eval"] <= high
-    assert saved["form"] == "compensated" and saved["windows"]["fit"]["count"] == 8
+    written = set(saved["selection"]["forms"].values())
+    assert saved["form"] == " and ".join(f for f in ("compensated", "plain") if f in written) and saved["windows"]["fit"]["count"] == 8
     for block in saved["selection"]["blocks"]:  # every block's scores, fit and trials
         assert block["form"] in ("compensated", "plain", "sequential")
         assert block["c_comp"] is not None and block["fit"]["residual"] is not None
@@ -273,3 +274,55 @@ def test_patience_stops_after_that_many_misses_in_a_row(fixture_path):
     assert len(stopped.trials) == 2 and not stopped.layers and stopped.candidates == 3 and "2 candidates in a row" in stopped.stopped
     every = select_layers(model, windows, fit=None, budget=Budget(1e-9, None))
     assert len(every.trials) == 3 and every.stopped is None
+
+
+def test_a_compensation_that_cannot_be_made_is_never_silent(fixture_path, tmp_path):
+    """One fit window cannot hold a fold out, so no fix can be fitted: explicit --compensate is an error;
+    auto writes the blocks plain, says so per block, ranks them by their plain score and reports the form written."""
+    path = fixture_path("llama")
+    out = tmp_path / "explicit"
+    result = runner.invoke(app, ["parallelize", str(path), "--layers", "1", "--compensate", "--seq-len", "32", "--fit-windows", "1", "-o", str(out)])
+    assert result.exit_code == 1 and not out.exists()
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "error: cannot compensate block 1: too few windows" in result.stderr
+
+    out = tmp_path / "auto"
+    result = runner.invoke(app, ["parallelize", str(path), "--seq-len", "32", "--fit-windows", "1", "--windows", "2", "--eval-windows", "2",
+                                 "--no-latency", "--max-kl", "none", "--max-loss-increase", "none", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "selection.json").read_text())
+    sel = saved["selection"]
+    assert sel["layers"] == [0, 1, 2] and set(sel["forms"].values()) == {"plain"} and saved["form"] == "plain"
+    warnings = result.stderr.strip().splitlines()
+    assert warnings == [f"warning: block {l} was written plain parallel: its fix could not be made "
+                        f"(too few windows to hold one fold out; give more fit windows)" for l in (0, 1, 2)]
+    assert set(sel["uncompensated"]) == {"0", "1", "2"}
+    c_stream = {b["layer"]: b["c_stream"] for b in sel["blocks"]}
+    assert all(b["c_comp"] is None for b in sel["blocks"])
+    assert [t["layer"] for t in sel["trials"]] == sorted(c_stream, key=c_stream.get)  # ranked by the plain score
+    assert [t["score"] for t in sel["trials"]] == [c_stream[t["layer"]] for t in sel["trials"]]
+    facts = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    assert [(b["form"], b["fix"]) for b in facts["blocks"]] == [("parallel", None)] * 3
+
+
+def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, tmp_path, monkeypatch):
+    import onnx
+
+    from surgery import compensation, select
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    for f in fixture_path("llama").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    proto = onnx.load(folder / "model.onnx")
+    add = next(n for n in proto.graph.node if n.name == "/model/layers.1/input_layernorm/Add")
+    add.input[1], abs_eps = "eps_computed", onnx.helper.make_node("Abs", [add.input[1]], ["eps_computed"], name="eps_abs")
+    proto.graph.node.insert(list(proto.graph.node).index(add), abs_eps)  # epsilon no longer one constant: block 1 cannot be fused
+    onnx.save(proto, folder / "model.onnx")
+    monkeypatch.setattr(compensation, "fit", lambda *a, **k: pytest.fail("the fit ran before the refusal"))
+    with pytest.raises(SurgeryError, match="cannot fuse block 1: the normalisations' epsilon is not one constant"):
+        select.auto(folder, tmp_path / "out", fused=True, seq_len=32, windows=2, fit_windows=4, eval_windows=2, measure_latency=False)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    result = runner.invoke(app, ["parallelize", str(folder), "--fuse", "--protect-first", "2", "--seq-len", "32", "--windows", "2",
+                                 "--fit-windows", "4", "--eval-windows", "2", "--no-latency", "-o", str(tmp_path / "protected")])
+    assert result.exit_code == 0, result.output  # block 1 protected: nothing to refuse

@@ -38,13 +38,8 @@ def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | No
     blocks = find_blocks(model)
     chosen = check_layers(layers, blocks)
     for block in blocks:
-        if block.layer in chosen and (why := projection.quantized_refusal(model, block, "fuse")) is not None:
+        if block.layer in chosen and (why := refusal(model, block)) is not None:
             raise SurgeryError(why)
-        if block.layer in chosen and block.post_norm:
-            raise SurgeryError(
-                f"cannot fuse block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so attn_out "
-                "and mlp_out cannot come from one [o ; down] MatMul; parallelize it without --fuse"
-            )
     parallel = parallelize(model, chosen)
     model = parallel.model  # already a copy
     changes = []
@@ -64,11 +59,37 @@ def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | No
     return result
 
 
+def refusal(model: ir.Model, block: BlockMap) -> str | None:
+    """Why `block` cannot be fused, or None; read from the graph before any work (no weight is loaded)."""
+    if (why := projection.quantized_refusal(model, block, "fuse")) is not None:
+        return why
+    if block.fused:
+        return None  # fuse says it is already fused
+    if block.post_norm:
+        return (
+            f"cannot fuse block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so attn_out "
+            "and mlp_out cannot come from one [o ; down] MatMul; parallelize it without --fuse"
+        )
+    values = values_by_name(model)
+    try:
+        ln1, ln2 = block_norms(model, block)
+        for ln in (ln1, ln2):
+            projection.reading(values[ln.output], block.layer)
+        projection.producing(values[block.attn_out], block.layer, "attn_out")
+        projection.producing(values[block.mlp_out], block.layer, "mlp_out")
+    except SurgeryError as e:
+        return str(e)
+    if ln1.kind != ln2.kind:
+        return f"cannot fuse block {block.layer}: ln1 is {ln1.kind} but ln2 is {ln2.kind}"
+    if ln1.eps is None or ln1.eps != ln2.eps:
+        what = "is not one constant" if ln1.eps is None or ln2.eps is None else f"of ln1 ({ln1.eps:g}) and ln2 ({ln2.eps:g}) differ"
+        return f"cannot fuse block {block.layer}: the normalisations' epsilon {what}, and the fused block has one; parallelize it without --fuse"
+    return None
+
+
 def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
     g, layer = model.graph, block.layer
     ln1, ln2 = block_norms(model, block)
-    if ln1.kind != ln2.kind:
-        raise SurgeryError(f"cannot fuse block {layer}: ln1 is {ln1.kind} but ln2 is {ln2.kind}")
     x = values[block.resid_pre]
 
     inputs = []  # (projection, ln) in the order their outputs are concatenated

@@ -49,9 +49,11 @@ def _bias_after(out: ir.Value) -> tuple[ir.Value, np.ndarray | None, tuple[ir.No
 
 
 def reading(source: ir.Value, layer: int) -> list[Projection]:
-    """The linear projections reading `source` (an ln output); anything else is refused."""
+    """The linear projections reading `source` (an ln output); anything else but shape arithmetic is refused."""
     found = []
     for user, index in list(source.uses()):
+        if user.op_type == "Shape":  # reads only the shape, which is resid_pre's
+            continue
         if user.op_type == "MatMul" and index == 0 and (w := constant(user.inputs[1])) is not None and w.ndim == 2:
             out, bias, site = _bias_after(user.outputs[0])
             found.append(Projection(source, out, w, bias, user, bias_site=site))
