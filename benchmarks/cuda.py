@@ -10,8 +10,8 @@ Without a working CUDAExecutionProvider it says so in one line and exits 1. Ever
 CUDA; its `placement` column says `CUDA` when ORT ran every node there, or lists the ops (and counts)
 that ORT placed on the CPU, read from the profile of each session's first warm-up. Inputs are placed
 on the device once, outputs stay there, and the decode's past is the prefill's present, left on the
-device (runtime.Prepared, runtime.decode_inputs), so no timed run copies to or from the host. SmolLM2's blocks are the ones `surgery parallelize` chooses on it
-(README), compensated with a fix fitted on --fit-windows calibration windows of the built-in corpus.
+device (runtime.Prepared, runtime.decode_inputs), so no timed run copies to or from the host. SmolLM2's blocks are the ones `surgery parallelize` chose on it
+before issue 18 (--smollm2-layers to change them), compensated with a fix fitted on --fit-windows calibration windows of the built-in corpus.
 The synthetic model (random weights, written once to out/llama-1b-random with external data) has
 every block rewritten; its compensated graph folds a random fix of the fitted form (w_a, w_p, b):
 the same ops and shapes as a fitted one, as a fit on random weights would mean nothing. (It is built
@@ -46,7 +46,7 @@ SYNTHETIC = ROOT / "out" / "llama-1b-random"
 # Llama-3.2-1B's shape with a 32k vocabulary: 1.1 B parameters, 4.4 GB of float32
 LLAMA_1B = dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_mlp=8192, vocab=32000, max_positions=2048)
 TINY = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128, vocab=512, max_positions=256)
-SMOLLM2_LAYERS = "4,6-8,15,22-23,25,28-29"  # `surgery parallelize out/smollm2` with defaults (README)
+SMOLLM2_LAYERS = "4,6-8,15,22-23,25,28-29"  # what `surgery parallelize out/smollm2` chose before issue 18's KL budget
 
 
 def llama_shaped(d_model, n_layers, n_heads, n_kv_heads, d_mlp, vocab, max_positions, seed=0) -> ir.Model:
