@@ -25,7 +25,9 @@ from transformers import AutoModelForCausalLM
 
 from surgery import cluster, data, graph, runtime
 from surgery.blocks import find_blocks
-from surgery.diagnostics import diagnose, graphs
+from surgery.analysis import field as field_graph
+from surgery.analysis import resumable as resumable_graph
+from surgery.diagnostics import diagnose
 from surgery.diagnostics.diagnose import _switch_losses
 from surgery.diagnostics.critical import tangent_basis
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine, tangential, unit
@@ -118,7 +120,7 @@ def losses_section(folder, windows: int, seq_len: int, rounds: int) -> None:
     model = graph.load(folder)
     blocks = find_blocks(model)
     ev = data.windows(folder, seq_len=seq_len, max_windows=windows, part="evaluation")
-    kinds = [("parallel",), ("mlp", "tangential")]
+    kinds = [("parallelize",), ("project", "mlp", "tangential")]
     options = runtime.analysis(runtime.Options())
     ways = {"whole forwards, one two-thread run at a time": (1, True), "prefix reuse, one two-thread run at a time": (1, False),
             "prefix reuse, two one-thread runs at a time (default)": (2, False)}
@@ -126,7 +128,7 @@ def losses_section(folder, windows: int, seq_len: int, rounds: int) -> None:
     results = {}
     for _ in range(rounds):
         for way, (concurrent, whole) in ways.items():
-            patch = mock.patch.object(graphs, "resumable", lambda board, blocks: None) if whole else contextlib.nullcontext()
+            patch = mock.patch.object(resumable_graph, "resumable", lambda board, blocks: None) if whole else contextlib.nullcontext()
             with patch, cluster.pool(concurrent=concurrent) as pool:
                 start = time.perf_counter()
                 results[way] = _switch_losses(model, blocks, kinds, ev, options, lambda *_: None, pool=pool)
@@ -196,10 +198,10 @@ def newton_rows(folder, report: dict, windows, layers: list[int], n_seeds: int) 
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, runtime.feeds(sess, windows.ids[:1]))))
     rows = []
     for l in layers:
-        field = runtime.session(graphs.field(model, blocks[l]))
+        field = runtime.session(field_graph.field(model, blocks[l]))
 
         def f(z, field=field):
-            return field.run(None, {graphs.FIELD_IN: z[:, None].astype(np.float32)})[0][:, 0]
+            return field.run(None, {field_graph.FIELD_IN: z[:, None].astype(np.float32)})[0][:, 0]
 
         pool = out[blocks[l].mlp_in][0, 1:]
         seeds = unit(pool[np.linspace(0, len(pool) - 1, n_seeds).astype(int)].astype(np.float64))

@@ -26,8 +26,10 @@ import numpy as np
 
 from surgery import data, graph, runtime
 from surgery.blocks import block_norms, find_blocks
-from surgery.diagnostics import diagnose, graphs
-from surgery.diagnostics.defect import spearman
+from surgery.analysis import probe as probe_graph
+from surgery.analysis import switchboard as board_graph
+from surgery.diagnostics import diagnose
+from surgery.diagnostics.rank import spearman
 
 SCORES = ("c", "c_stream", "c_token", "c_tangent", "c_next", "kl_linear")
 
@@ -58,7 +60,7 @@ def candidate_scores(path, windows, tokens: int) -> dict[str, list[float]]:
     blocks = find_blocks(model)
     g = next_scales(model, blocks)
     head = lm_head(graph.values_by_name(model)["logits"])
-    p = graphs.probe(model, tensors=("mlp_out", "resid_post"), twin=True)
+    p = probe_graph.probe(model, tensors=("mlp_out", "resid_post"), twin=True)
     sess = runtime.session(p.model)
     names = [o.name for o in sess.get_outputs()]
     n = len(blocks)
@@ -104,9 +106,9 @@ def split_dnll(path, windows) -> tuple[list[float], list[float]]:
 
     model = graph.load(path)
     n = len(find_blocks(model))
-    kinds = [("parallel",)]
-    scorer = evaluate.Scorer(graphs.switchboard(model, kinds))
-    runs = [scorer(windows, extra={graphs.SWITCHES: graphs.switches(kinds, n, on)}) for on in [{}] + [{kinds[0]: {l}} for l in range(n)]]
+    kinds = [("parallelize",)]
+    scorer = evaluate.Scorer(board_graph.switchboard(model, kinds))
+    runs = [scorer(windows, extra={board_graph.SWITCHES: board_graph.switches(kinds, n, on)}) for on in [{}] + [{kinds[0]: {l}} for l in range(n)]]
     half = len(windows) // 2
 
     def dnll(run, part):

@@ -33,10 +33,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import runtime
-from surgery.blocks import BlockMap, find_blocks
+from surgery import defect, runtime
+from surgery.analysis import switchboard as board_graph
+from surgery.analysis.probe import twin_branch
+from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.data import Windows
-from surgery.diagnostics import graphs
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Fix
@@ -45,7 +46,8 @@ from surgery.passes.compensate import refusal
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # times diag(Z'Z); chosen per layer on the held-out fold
 MEMORY_BYTES = 2 << 30
-KINDS = [("parallel",), ("compensated",)]  # the switchboard kinds every fit and trial uses
+KINDS = [("parallelize",), ("compensate",)]  # the switchboard kinds every fit and trial uses
+FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what the fit graph outputs per sequential block
 Progress = Callable[[int, int], None]
 
 
@@ -110,9 +112,8 @@ class NormalEquations:
 
     def scores(self) -> dict[str, float]:
         """The uncompensated one-pass scores over all fit tokens: C_l, C_l^stream and the gate alpha_l."""
-        pp, pd, dd = self._traces(None)
-        hh = pp + 2 * pd + dd  # |mlp(ln2 h)|^2, as mlp(ln2 h) = P + delta
-        return {"c": dd / max(hh, 1e-300), "c_stream": dd / max(float(self.yy.sum()), 1e-300), "alpha": (pp + pd) / max(pp, 1e-300)}
+        pp, pd, dd = self._traces(None)  # mlp(ln2 h) = P + delta: |.|^2 = pp + 2 pd + dd, <., P> = pp + pd
+        return defect.ratios(dd, pp + 2 * pd + dd, float(self.yy.sum()), pp + pd, pp)
 
     def solve(self, layer: int, kind: str = "full", ridges=RIDGES, defect: bool = True) -> Fit:
         """The fix of one block: `full` (ridge least squares, the ridge chosen on the held-out fold,
@@ -184,9 +185,16 @@ def _ridge_solve(zz: np.ndarray, zd: np.ndarray, ridge: float) -> np.ndarray:
     return s[:, None] * np.linalg.solve(scaled, s[:, None] * zd)
 
 
+def fit_tap(layer: int, what: str) -> str:
+    """Output name of a fit tap: `what` is one of FIT_TAPS (mlp_x is P)."""
+    return f"surgery/fit/blocks.{layer}/{what}"
+
+
 def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None) -> ir.Model:
-    """The switchboard graph reduced to the fit taps of every sequential block (no logits, no KV cache)."""
-    board = graphs.switchboard(model, KINDS, fixes, fit_taps=True)
+    """The switchboard of KINDS reduced to the fit taps of every sequential block (no logits, no KV cache):
+    attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post, whatever the switches
+    (each block's mlp is evaluated a second time, on the input its branch does not read)."""
+    board = board_graph.switchboard(model, KINDS, fixes, taps=_fit_taps)
     taps = [v for v in board.graph.outputs if v.name.startswith("surgery/fit/")]
     board.graph.outputs.clear()
     board.graph.outputs.extend(taps)
@@ -195,6 +203,27 @@ def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None) -> ir.Model:
     board.graph.inputs.clear()
     board.graph.inputs.extend(used)
     return board
+
+
+def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: str) -> None:
+    """Output attn_out, mlp_x, delta, resid_post of a sequential block, with its parallelize switch `on` or off."""
+    g, values, e = board.graph, board.values, board.emitter(prefix)
+    mid, pre = values[block.resid_mid], values[block.resid_pre]
+    other = e.op("Where", [on, mid, pre], "twin_in")  # the input the mlp branch does not read
+    twin = twin_branch(g, branch_nodes(board.model, block, "mlp"), {mid: other}, f"{prefix}/twin")[values[block.mlp_out]]
+    own = values[block.mlp_out]
+    on_mid = e.op("Where", [on, twin, own], "mlp_h")
+    top = board.emitter("")
+    on_pre = top.op("Where", [on, own, twin], fit_tap(block.layer, "mlp_x"))
+    delta = top.op("Sub", [on_mid, on_pre], fit_tap(block.layer, "delta"))
+    stream_type = values[block.resid_pre].type
+    for what, value in (("attn_out", values[block.attn_out]), ("resid_post", values[block.resid_post])):
+        value = top.op("Identity", [value], fit_tap(block.layer, what))
+        value.type = stream_type
+        g.outputs.append(value)
+    for value in (on_pre, delta):
+        value.type = stream_type
+        g.outputs.append(value)
 
 
 def fit(
@@ -217,7 +246,7 @@ def fit(
     block's uncompensated scores.
 
     fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
-    graph holds, `on` the switches turned on, e.g. {("parallel",): {3, 7}, ("compensated",): {3}}.
+    graph holds, `on` the switches turned on, e.g. {("parallelize",): {3, 7}, ("compensate",): {3}}.
     keep_stream: receives each fitted block's resid_post on every window (token 0 left out, float32), for `drift`.
     drift: the original model's resid_post, as keep_stream kept it on the same windows: fit the drift-correcting
     fix (module docstring) under `fixes` / `on` instead of the defect's.
@@ -240,7 +269,7 @@ def fit(
     if not todo:
         return {}
     session = runtime.session(fit_graph(model, fixes), options)
-    feed_switches = graphs.switches(KINDS, n, on)
+    feed_switches = board_graph.switches(KINDS, n, on)
     parallel_on, fixed_on = (set((on or {}).get(kind, ())) for kind in KINDS)
     per_chunk = max(1, memory_bytes // NormalEquations.nbytes(d_model))
     chunks = [todo[i : i + per_chunk] for i in range(0, len(todo), per_chunk)]
@@ -248,12 +277,12 @@ def fit(
     done, total = 0, len(chunks) * len(windows)
     for chunk in chunks:
         sums = {layer: NormalEquations(d_model) for layer in chunk}
-        names = [graphs.fit_tap(l, w) for l in chunk for w in graphs.FIT_TAPS]
+        names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS]
         for i in range(len(windows)):
-            feed = runtime.feeds(session, windows.ids[i : i + 1], extra={graphs.SWITCHES: feed_switches})
+            feed = runtime.feeds(session, windows.ids[i : i + 1], extra={board_graph.SWITCHES: feed_switches})
             out = dict(zip(names, session.run(names, feed)))
             for layer in chunk:  # token 0, the attention sink, left out
-                attn_out, mlp_x, delta, resid_post = (out[graphs.fit_tap(layer, w)][0, 1:] for w in graphs.FIT_TAPS)
+                attn_out, mlp_x, delta, resid_post = (out[fit_tap(layer, w)][0, 1:] for w in FIT_TAPS)
                 if keep_stream is not None:
                     keep_stream.setdefault(layer, []).append(resid_post.astype(np.float32))
                 if drift is not None:  # target y - (x' + A' + P'), from y' = x' + A' + (P' + delta, P' + fix, or P')

@@ -31,7 +31,8 @@ from surgery import cluster, compensation, data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.compensation import KINDS, Fit
 from surgery.data import Windows
-from surgery.diagnostics import defect, graphs
+from surgery.analysis import switchboard as board_graph
+from surgery.analysis.probe import defect_scores
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
@@ -208,7 +209,7 @@ def select_layers(
         stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
     else:
         fits = {}
-        stats = defect.scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
+        stats = defect_scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
         stats["c_comp"] = [None] * n
     seconds["fit" if fit else "scores"] = time.perf_counter() - start
 
@@ -221,11 +222,11 @@ def select_layers(
     ]
     candidates.sort(key=lambda layer: rank[layer])
     fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-    scorers = _scorers(pool, graphs.switchboard(model, KINDS, fixes), options)
+    scorers = _scorers(pool, board_graph.switchboard(model, KINDS, fixes), options)
 
     batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
     parts = list(scorers.map("recording", [(batch,) for batch in batches], batch_size=BATCH,
-                             extra={graphs.SWITCHES: graphs.switches(KINDS, n)}))
+                             extra={board_graph.SWITCHES: board_graph.switches(KINDS, n)}))
     passes = 1
     base = evaluate.joined([p for p, _ in parts])
     reference = [r for _, refs in parts for r in refs]  # the original's log-probs on each batch: [BATCH, seq, vocab] float32
@@ -234,7 +235,7 @@ def select_layers(
         nonlocal passes
         passes += 1
         on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
-        extra = {graphs.SWITCHES: graphs.switches(KINDS, n, on)}
+        extra = {board_graph.SWITCHES: board_graph.switches(KINDS, n, on)}
         jobs = [(batch, [ref]) for batch, ref in zip(batches, reference)]
         p = evaluate.joined(list(scorers.map("against", jobs, batch_size=BATCH, extra=extra)))
         return evaluate.delta(base, p), evaluate.divergence(p)
@@ -275,7 +276,7 @@ def select_layers(
                                  progress=lambda d, t: tell("refit (one pass)", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
-        d, kl = loss(chosen, _scorers(pool, graphs.switchboard(model, KINDS, new_fixes), options))
+        d, kl = loss(chosen, _scorers(pool, board_graph.switchboard(model, KINDS, new_fixes), options))
         kept = budget.cost(d, kl) < budget.cost(current, current_kl)
         refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(),
                         "kl_before": current_kl.to_json(), "kl_after": kl.to_json(), "kept": kept}

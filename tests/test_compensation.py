@@ -84,9 +84,9 @@ def test_fit_on_a_graph_lowers_the_held_out_defect(fixture_path):
 
 def test_drift_correcting_fit_equals_numpy_on_the_rewritten_graph_s_taps(fixture_path):
     """With block 0 compensated in place, blocks 1 and 2 are fitted to the original model's resid_post:
-    target y - (x' + A' + P') with x', A', P' tapped (graphs.probe) from the graph `rewrite` writes, solved
+    target y - (x' + A' + P') with x', A', P' tapped (analysis.probe) from the graph `rewrite` writes, solved
     in NumPy with the ridge the fit chose. On the unmodified stream the drift fit is the defect's own fit."""
-    from surgery.diagnostics import graphs
+    from surgery.analysis import probe as probe_graph
     from surgery.facts import embedding_table
     from surgery.runtime import feeds, session
     from surgery.select import rewrite
@@ -100,10 +100,10 @@ def test_drift_correcting_fit_equals_numpy_on_the_rewritten_graph_s_taps(fixture
     for layer in first:
         np.testing.assert_allclose(same[layer].fix.w_p, first[layer].fix.w_p, rtol=1e-6, atol=1e-9)
     fix0 = first[0].fix
-    on = {("parallel",): {0}, ("compensated",): {0}}
+    on = {("parallelize",): {0}, ("compensate",): {0}}
     drifted = compensation.fit(model, windows, {1, 2}, fixes={0: fix0}, on=on, drift=stream)
     written = rewrite(model, [0], fixes={0: fix0}).model
-    probe = graphs.probe(written)
+    probe = probe_graph.probe(written)
     sess = session(probe.model)
     for layer in (1, 2):
         taps = probe.outputs[layer]

@@ -5,7 +5,7 @@ import pytest
 
 from surgery import graph, runtime
 from surgery.blocks import find_blocks
-from surgery.diagnostics import graphs
+from surgery.analysis import field as field_graph
 from surgery.diagnostics.critical import classify, find_critical_points, fixed_points, tangent_basis, tangent_jacobians
 from surgery.diagnostics.geometry import unit
 
@@ -91,9 +91,9 @@ def test_zeros_found_through_a_tiny_gpt2_field_graph_are_zeros_of_the_torch_mlp(
     reference = tiny_model("gpt2", seed=0)
     r, found = 8.0, 0
     for block in find_blocks(model):
-        sess = runtime.session(graphs.field(model, block))
+        sess = runtime.session(field_graph.field(model, block))
         search = find_critical_points(
-            lambda z: sess.run(None, {graphs.FIELD_IN: z[:, None].astype(np.float32)})[0][:, 0],
+            lambda z: sess.run(None, {field_graph.FIELD_IN: z[:, None].astype(np.float32)})[0][:, 0],
             np.random.default_rng(block.layer).standard_normal((4, 64)), r,
         )
         layer = copy.deepcopy(reference.transformer.h[block.layer]).double()

@@ -8,7 +8,11 @@ from typer.testing import CliRunner
 from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.cli import app
-from surgery.diagnostics import diagnose, graphs, prefix
+from surgery.analysis import field as field_graph
+from surgery.analysis import probe as probe_graph
+from surgery.analysis import resumable as resumable_graph
+from surgery.diagnostics import diagnose, prefix
+from surgery.passes.project import KEEP_SINK
 from surgery.diagnostics.diagnose import _switch_losses
 from surgery.passes import parallelize, project
 
@@ -16,7 +20,7 @@ runner = CliRunner()
 
 
 def _tapped_run(model, ids):
-    p = graphs.probe(model, twin=False)
+    p = probe_graph.probe(model, twin=False)
     sess = runtime.session(p.model)
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, runtime.feeds(sess, ids))))
     return [{k: out[v][0, 1:].astype(np.float64) for k, v in o.items()} for o in p.outputs]
@@ -137,16 +141,16 @@ def test_losses_resumed_after_unchanged_blocks_equal_whole_forward_passes(fixtur
     path = fixture_path(family)
     model = graph.load(path)
     blocks = find_blocks(model)
-    kinds = [("parallel",), ("mlp", "radial"), ("attn", "remove"), ("attn", "tangential", graphs.KEEP_SINK)]
+    kinds = [("parallelize",), ("project", "mlp", "radial"), ("project", "attn", "remove"), ("project", "attn", "tangential", KEEP_SINK)]
     windows = data.windows(path, seq_len=32, max_windows=2, part="evaluation")
 
     def losses():
         return _switch_losses(model, blocks, kinds, windows, runtime.Options(), lambda *_: None, all_only={kinds[-1]})
 
     resumed = losses()
-    monkeypatch.setattr(graphs, "resumable", lambda board, blocks: None)  # no block skippable: every run a whole forward
+    monkeypatch.setattr(resumable_graph, "resumable", lambda board, blocks: None)  # no block skippable: every run a whole forward
     whole = losses()
-    assert set(whole[("mlp", "radial")]) == {0, 1, 2, "all"}  # the first and the last block's edits among them
+    assert set(whole[("project", "mlp", "radial")]) == {0, 1, 2, "all"}  # the first and the last block's edits among them
     np.testing.assert_allclose(_losses(resumed, kinds), _losses(whole, kinds), rtol=1e-6)
 
 
@@ -154,7 +158,7 @@ def test_resumed_run_reads_only_the_given_resid_pre(fixture_path):
     path = fixture_path("llama")
     model = graph.load(path)
     blocks = find_blocks(model)
-    resume = graphs.resumable(model, blocks)
+    resume = resumable_graph.resumable(model, blocks)
     assert [n.op_type for n in resume.model.graph].count("If") == 2  # every block but the last can be skipped
     scorer = evaluate.Scorer(resume.model, keep=resume.resid_post)
     windows = data.windows(path, seq_len=32, max_windows=1, part="evaluation")
@@ -188,17 +192,17 @@ def test_field_graph_is_the_torch_mlp_of_ln2(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(hf).eval()
     z = np.random.default_rng(0).standard_normal((1, 5, 64)).astype(np.float32)
     for block in find_blocks(model):
-        sess = runtime.session(graphs.field(model, block))
+        sess = runtime.session(field_graph.field(model, block))
         layer = reference.model.layers[block.layer]
         with torch.no_grad():
             expected = layer.mlp(layer.post_attention_layernorm(torch.from_numpy(z))).numpy()
-        np.testing.assert_allclose(sess.run(None, {graphs.FIELD_IN: z})[0], expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(sess.run(None, {field_graph.FIELD_IN: z})[0], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_prefix_sensitivity_matches_direct_runs(fixture_path):
     path = fixture_path("gpt2")
     model = graph.load(path)
-    p = graphs.probe(model, tensors=("resid_post",), twin=False)
+    p = probe_graph.probe(model, tensors=("resid_post",), twin=False)
     sess = runtime.session(p.model)
     names = [o["resid_post"] for o in p.outputs]
     ids = data.windows(path, seq_len=20, max_windows=1).ids

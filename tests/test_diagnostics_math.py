@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from surgery.diagnostics.defect import DefectStats, spearman
+from surgery.defect import DefectStats
+from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
 
 
@@ -53,7 +54,7 @@ def test_in_graph_statistics_equal_the_numpy_geometry(tokens):
 
     from surgery import runtime
     from surgery.diagnostics import stats
-    from surgery.diagnostics.defect import DefectStats
+    from surgery.defect import DefectStats
     from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
 
     rng = np.random.default_rng(4)

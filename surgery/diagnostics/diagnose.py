@@ -16,10 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from surgery import __version__, cluster, data, evaluate, graph, runtime
+from surgery.analysis import field, probe, resumable, switchboard
+from surgery.defect import DefectStats
+from surgery.passes.project import KEEP_SINK
 from surgery.blocks import find_blocks
 from surgery.diagnostics import critical as crit
-from surgery.diagnostics import graphs, prefix, stats
-from surgery.diagnostics.defect import DefectStats, spearman
+from surgery.diagnostics import prefix, stats
+from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.geometry import unit
 from surgery.errors import SurgeryError
 from surgery.passes.common import narrower_than_float32
@@ -28,6 +31,14 @@ from surgery.facts import embedding_table
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 ABLATION_MODES = ("tangential", "radial", "remove")
 SINK_MODES = ("tangential", "radial")  # also measured with position 0 keeping its branch output
+PARALLEL = ("parallelize",)  # the switchboard kind of the single-layer parallel runs
+
+
+def _edit(branch: str, mode: str, *options: str) -> tuple[str, ...]:
+    """The switchboard kind of an ablation: the project pass on `branch` in `mode`."""
+    return ("project", branch, mode, *options)
+
+
 CHUNK = 8  # single-layer loss runs of a window per job (a job is a few seconds of SmolLM2)
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -78,7 +89,7 @@ def _diagnose(
     if set(only) & {"deficit", "diversity", "defect", "gate", "critical"}:
         start = time.perf_counter()
         twin = bool(set(only) & {"defect", "gate"})
-        probed = _stream_probe(graphs.probe(model, twin=twin), cal, options, n, tell, pool)
+        probed = _stream_probe(probe.probe(model, twin=twin), cal, options, n, tell, pool)
         report["seconds"]["probe"] = time.perf_counter() - start
         report["seconds"]["probe_setup"] = probed["ready"] - start  # of which: the graph and its session(s)
         if "deficit" in only:
@@ -99,7 +110,7 @@ def _diagnose(
 
     if "prefix" in only:
         start = time.perf_counter()
-        p = graphs.probe(model, tensors=("resid_post",), twin=False)
+        p = probe.probe(model, tensors=("resid_post",), twin=False)
         sess = runtime.session(p.model, options)
         dists = prefix.distances(seq_len)
         names = [o["resid_post"] for o in p.outputs]
@@ -114,23 +125,23 @@ def _diagnose(
         start = time.perf_counter()
         ev = data.windows(model_path, corpus, seq_len=seq_len, max_windows=eval_windows, part="evaluation", tokenizer=tokenizer)
         report["windows"]["evaluation"] = _describe(ev)
-        sink_kinds = [(b, m, graphs.KEEP_SINK) for b in ("mlp", "attn") for m in SINK_MODES] if "ablation" in only else []
-        kinds = ([("parallel",)] if "defect" in only else []) + (
-            [(b, m) for b in ("mlp", "attn") for m in ABLATION_MODES] if "ablation" in only else []
+        sink_kinds = [_edit(b, m, KEEP_SINK) for b in ("mlp", "attn") for m in SINK_MODES] if "ablation" in only else []
+        kinds = ([PARALLEL] if "defect" in only else []) + (
+            [_edit(b, m) for b in ("mlp", "attn") for m in ABLATION_MODES] if "ablation" in only else []
         ) + sink_kinds
         losses = _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool)
         intervals = losses["interval"]
         if "defect" in only:
-            dnll = [losses[("parallel",)][l] for l in range(n)]
-            kl = [losses["kl"][("parallel",)][l] for l in range(n)]
+            dnll = [losses[PARALLEL][l] for l in range(n)]
+            kl = [losses["kl"][PARALLEL][l] for l in range(n)]
             report["defect"].update(
                 {
                     "base_loss": losses["base"],
                     "dnll_parallel": dnll,
-                    "dnll_parallel_interval": [intervals[("parallel",)][l] for l in range(n)],
+                    "dnll_parallel_interval": [intervals[PARALLEL][l] for l in range(n)],
                     "kl_parallel": kl,  # mean token KL(original || this layer parallel), nats
-                    "kl_parallel_interval": [losses["kl_interval"][("parallel",)][l] for l in range(n)],
-                    "top1_parallel": [losses["top1"][("parallel",)][l] for l in range(n)],
+                    "kl_parallel_interval": [losses["kl_interval"][PARALLEL][l] for l in range(n)],
+                    "top1_parallel": [losses["top1"][PARALLEL][l] for l in range(n)],
                     "spearman": {k: spearman(report["defect"][k], dnll) for k in ("c", "c_stream")},
                     "spearman_kl": {k: spearman(report["defect"][k], kl) for k in ("c", "c_stream")},
                 }
@@ -139,18 +150,18 @@ def _diagnose(
             branches = ("mlp", "attn")
             report["ablation"] = {
                 "base_loss": losses["base"],
-                "all_layers": {b: {m: losses[(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "per_layer": {b: {m: [losses[(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
-                "all_layers_interval": {b: {m: intervals[(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "per_layer_interval": {b: {m: [intervals[(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
+                "all_layers": {b: {m: losses[_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "per_layer": {b: {m: [losses[_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
+                "all_layers_interval": {b: {m: intervals[_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "per_layer_interval": {b: {m: [intervals[_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
                 # position 0 (the attention sink) keeps its branch output; all layers at once only
-                "all_layers_keep_sink": {b: {m: losses[(b, m, graphs.KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
-                "all_layers_keep_sink_interval": {b: {m: intervals[(b, m, graphs.KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
+                "all_layers_keep_sink": {b: {m: losses[_edit(b, m, KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
+                "all_layers_keep_sink_interval": {b: {m: intervals[_edit(b, m, KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
                 # mean token KL vs the original and top-1 agreement of the same runs
-                "all_layers_kl": {b: {m: losses["kl"][(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "all_layers_top1": {b: {m: losses["top1"][(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "per_layer_kl": {b: {m: [losses["kl"][(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
-                "per_layer_top1": {b: {m: [losses["top1"][(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
+                "all_layers_kl": {b: {m: losses["kl"][_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "all_layers_top1": {b: {m: losses["top1"][_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
+                "per_layer_kl": {b: {m: [losses["kl"][_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
+                "per_layer_top1": {b: {m: [losses["top1"][_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
             }
         report["seconds"]["losses"] = time.perf_counter() - start
     return report
@@ -186,7 +197,7 @@ class ProbeWindows:
         }
 
 
-def _stream_probe(p: graphs.Probe, windows: data.Windows, options, n: int, tell, workers: cluster.Pool = cluster.Pool()) -> dict:
+def _stream_probe(p: probe.Probe, windows: data.Windows, options, n: int, tell, workers: cluster.Pool = cluster.Pool()) -> dict:
     """One pass over the windows through the probe graph (spread over Ray actors when `workers` has them),
     the per-window numbers reduced here in window order."""
     taps = stats.add_to(p.model, p.outputs, windows.seq_len - 1, embedding_table(p.model)[1])
@@ -237,11 +248,11 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
         raise SurgeryError(f"--critical-seeds is {n_seeds}; the critical-point search needs at least 1 seed per layer")
     layers = []
     for block in blocks:
-        sess = runtime.session(graphs.field(model, block), options)
+        sess = runtime.session(field.field(model, block), options)
         dtype = np.float16 if "float16" in sess.get_inputs()[0].type else np.float32
 
         def f(z, sess=sess):  # points as a batch of one-token sequences [N, 1, d_model]: faster than [1, N, d_model]
-            return sess.run(None, {graphs.FIELD_IN: z[:, None].astype(dtype)})[0][:, 0]
+            return sess.run(None, {field.FIELD_IN: z[:, None].astype(dtype)})[0][:, 0]
 
         r = float(np.median(np.concatenate(stats["norms"][block.layer])))
         pool = stats["seeds"][block.layer]
@@ -273,16 +284,16 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
 
     Window by window: the run with every switch off keeps each block's resid_post, and a run with a kind on at
     block l alone starts there from block l - 1's (blocks < l would compute what that run did). In float16, or
-    where some block cannot be skipped (graphs.resumable gives None), every run is a whole forward pass.
+    where some block cannot be skipped (resumable.resumable gives None), every run is a whole forward pass.
     A window's runs are scored in chunks of CHUNK, `pool.parallel` at a time (in this process or on Ray
     actors), each from the unchanged run's kept tensors; the parts are joined here in window order.
     """
     n = len(blocks)
     lazy = not narrower_than_float32(graph.stream_dtype(model).numpy())  # If boundaries round float16 on CPU
-    board = graphs.switchboard(model, kinds, lazy=lazy)
-    resume = graphs.resumable(board, blocks) if lazy else None
+    board = switchboard.switchboard(model, kinds, lazy=lazy)
+    resume = resumable.resumable(board, blocks) if lazy else None
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
-    jobs += [(kind, "all") for kind in kinds if kind != ("parallel",)]
+    jobs += [(kind, "all") for kind in kinds if kind != PARALLEL]
     runs = [job for job in jobs if not _already_parallel(job, blocks)]
     chunks = [runs[i : i + CHUNK] for i in range(0, len(runs), CHUNK)]
     cut = dataclasses.replace(resume, model=None) if resume else None  # the graph goes to the actors once, as their model
@@ -318,7 +329,7 @@ class LossWindows:
     block's resid_post, then runs of it with one (kind, layer) switched on, a single-layer run resuming at
     its block from what the unchanged run kept (when it can)."""
 
-    def __init__(self, model, kinds, n_layers: int, resume: graphs.Resumable | None, options: runtime.Options):
+    def __init__(self, model, kinds, n_layers: int, resume: resumable.Resumable | None, options: runtime.Options):
         self.kinds, self.n, self.resume = kinds, n_layers, resume
         self.scorer = evaluate.Scorer(model, options, keep=resume.resid_post if resume else (), compare=True)
 
@@ -335,7 +346,7 @@ class LossWindows:
         kind, layer = run or (None, None)
         single = isinstance(layer, int)
         on = {} if run is None else {kind: {layer} if single else set(range(self.n))}
-        extra = {graphs.SWITCHES: graphs.switches(self.kinds, self.n, on)}
+        extra = {switchboard.SWITCHES: switchboard.switches(self.kinds, self.n, on)}
         if self.resume is not None:  # a single-layer run starts at its block, the others at block 0
             extra |= self.resume.inputs(layer if single else 0, kept)
         return extra
@@ -343,7 +354,7 @@ class LossWindows:
 
 def _already_parallel(job, blocks) -> bool:
     kind, layer = job
-    return kind == ("parallel",) and layer != "all" and blocks[layer].is_parallel
+    return kind == PARALLEL and layer != "all" and blocks[layer].is_parallel
 
 
 def _describe(w: data.Windows) -> dict:

@@ -14,11 +14,11 @@ geometry.py holds the same quantities in NumPy, the reference these are tested a
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx_ir as ir
 from threadpoolctl import threadpool_limits
+
+from surgery.nodes import Emitter
 
 POINTS = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
 _TINY = 1e-30
@@ -28,23 +28,6 @@ def name(layer: int, what: str) -> str:
     return f"surgery/stats/blocks.{layer}/{what}"
 
 
-@dataclasses.dataclass
-class _Emit:
-    """Appends nodes named under `prefix` to `nodes`."""
-
-    nodes: list[ir.Node]
-    prefix: str
-
-    def op(self, op_type: str, inputs: list[ir.Value], what: str, **attributes) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attributes, name=f"{self.prefix}/{what}")
-        node.outputs[0].name = f"{self.prefix}/{what}"
-        self.nodes.append(node)
-        return node.outputs[0]
-
-    def const(self, what: str, array) -> ir.Value:
-        return self.op("Constant", [], what, value=ir.tensor(np.asarray(array), name=f"{self.prefix}/{what}"))
-
-
 def layer_stats(tensors: dict[str, ir.Value], layer: int, token_gram: bool = True) -> tuple[list[ir.Node], dict[str, ir.Value]]:
     """Nodes reducing one block's tapped tensors [1, pos, d] to its statistics; returns them and the outputs by kind.
 
@@ -52,7 +35,7 @@ def layer_stats(tensors: dict[str, ir.Value], layer: int, token_gram: bool = Tru
     token_gram: the Gram matrix is U U^T [pos - 1, pos - 1]; else U^T U [d, d] (the smaller one has no zero eigenvalues).
     """
     nodes: list[ir.Node] = []
-    e = _Emit(nodes, f"surgery/stats/blocks.{layer}")
+    e = Emitter(f"surgery/stats/blocks.{layer}", nodes=nodes)
     last, tokens = e.const("last_axis", [-1]), e.const("token_axis", [1])
     tiny = e.const("tiny", np.array(_TINY))
 

@@ -1,10 +1,11 @@
-"""What every pass shares: its result, the record of what it changed, and how new nodes are named."""
+"""What every pass shares: the contract it declares (Pass), its result, the record of what it changed, and
+how new nodes are named."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +20,31 @@ if TYPE_CHECKING:
 
 PASS_KEY = "surgery.pass"  # node metadata: which pass made or rewired the node
 LAYER_KEY = "surgery.layer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """What a rewrite declares, once, at the end of its module:
+
+    name: written into the graph (node metadata, the model's history) and the first part of its switchboard kind.
+    apply: (model, ...) -> SurgeryResult, the rewrite itself (a pure function: the input is not modified).
+    switch: switch(board, block, on, prefix, *args) builds the same rewrite of one block in a switchboard, chosen
+        while the boolean `on` is true (surgery.analysis.switchboard.Board says what it can build with); None when
+        the pass offers no switch.
+    """
+
+    name: str
+    apply: Callable[..., "SurgeryResult"]
+    switch: Callable[..., None] | None = None
+
+
+PASSES: dict[str, Pass] = {}  # every pass module's Pass, by name (surgery.passes imports them all)
+
+
+def register(p: Pass) -> Pass:
+    """Make `p` known by its name: to the switchboard, and to `inspect` through the history."""
+    PASSES[p.name] = p
+    return p
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import onnx_ir as ir
 
 from surgery.blocks import FIX_KEY, BlockMap, branch_nodes, find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
+from surgery.nodes import Emitter
 from surgery.passes import projection
-from surgery.passes.common import PASS_KEY, Change, Fix, SurgeryResult, check_layers, node_name, record, tag
-from surgery.passes.parallel import PASS as PARALLELIZE
+from surgery.passes.common import PASS_KEY, Change, Fix, Pass, SurgeryResult, check_layers, node_name, record, register, tag
+from surgery.passes.parallel import NAME as PARALLELIZE
 from surgery.passes.parallel import parallelize
 
-PASS = "compensate"
+NAME = "compensate"
 
 
 def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
@@ -54,15 +56,15 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
         attn = projection.producing(values[block.attn_out], layer, "attn_out", why="compensate")
         mlp = projection.producing(values[block.mlp_out], layer, "mlp_out", why="compensate")
         (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
-        projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o), node_name(PASS, layer, "o_proj"))
-        out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down), node_name(PASS, layer, "down_proj"))
+        projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o), node_name(NAME, layer, "o_proj"))
+        out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down), node_name(NAME, layer, "down_proj"))
         for node in {attn.node, mlp.node, out.producer()}:
-            tag(node, PASS, layer)
+            tag(node, NAME, layer)
         mlp.node.metadata_props[FIX_KEY] = fix.describe()
         changes.append(Change(layer, f"parallel, {fix.describe()}: fix folded into W_o and W_down"))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
-        record(model, PASS, result.changed_layers, {"fixes": {str(c.layer): fixes[c.layer].describe() for c in changes if c.applied}})
+        record(model, NAME, result.changed_layers, {"fixes": {str(c.layer): fixes[c.layer].describe() for c in changes if c.applied}})
     return result
 
 
@@ -83,3 +85,55 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
             "sequential-to-parallel defect to fix; use `ablate --mode scale` to rescale a branch"
         )
     return None
+
+
+def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
+    """In a switchboard: block `layer` gets board.fixes[layer] while `on` (switch "parallelize" on too for the
+    compensated parallel block). W_o, W_down and their biases become Where(on, folded, original), folded as
+    `compensate` writes them; with board.fix_after_branch the fix is added after the branch instead,
+    attn_out w_a + mlp_out w_p + b, so what reads attn_out and mlp_out sees them unfixed."""
+    fix = board.fixes.get(block.layer)
+    if fix is None or block.is_parallel:
+        return
+    if board.fix_after_branch:
+        built: list[ir.Node] = []
+        fixed = _fix_added(board, Emitter(prefix, nodes=built), board.output(block, "mlp"), block, fix, prefix)
+        board.choose(block, "mlp", on, built, fixed, f"{prefix}/chosen", lazy=False)
+        return
+    values, e = board.values, board.emitter(prefix)
+    attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why=NAME)
+    mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why=NAME)
+    for p, (w, b), what in zip((attn, mlp), fix.fold(attn, mlp), ("o_proj", "down_proj")):
+        w, b = projection.rounded(p, w, b)
+        stored = board.weight(f"{prefix}/{what}/weight", w.T if p.transposed else w)
+        p.node.replace_input_with(1, e.op("Where", [on, stored, p.node.inputs[1]], f"{what}/weight_on"))
+        if b is None:
+            continue
+        bias = board.weight(f"{prefix}/{what}/bias", b)
+        if p.bias_site is not None:
+            node, i = p.bias_site
+            node.replace_input_with(i, e.op("Where", [on, bias, node.inputs[i]], f"{what}/bias_on"))
+            continue
+        zeros = board.weight(f"{prefix}/{what}/no_bias", np.zeros(len(b), b.dtype))
+        uses = list(p.output.uses())
+        added = e.op("Add", [p.output, e.op("Where", [on, bias, zeros], f"{what}/bias_on")], f"{what}/out")
+        for user, i in uses:
+            user.replace_input_with(i, added)
+
+
+def _fix_added(board, e: Emitter, current: ir.Value, block: BlockMap, fix: Fix, prefix: str) -> ir.Value:
+    """current + attn_out w_a + mlp_out w_p + b (terms that are None left out)."""
+    attn_out, mlp_out, dtype = board.values[block.attn_out], board.values[block.mlp_out], board.dtype
+    total = current
+    if fix.w_a is not None:
+        w = board.weight(f"{prefix}/w_a", np.asarray(fix.w_a, dtype))
+        total = e.op("Add", [total, e.op("MatMul", [attn_out, w], "attn_fix")], "plus_attn_fix")
+    if fix.w_p is not None:
+        w = board.weight(f"{prefix}/w_p", np.asarray(fix.w_p, dtype))
+        total = e.op("Add", [total, e.op("Mul" if np.ndim(fix.w_p) == 0 else "MatMul", [mlp_out, w], "mlp_fix")], "plus_mlp_fix")
+    if fix.b is not None:
+        total = e.op("Add", [total, board.weight(f"{prefix}/b", np.asarray(fix.b, dtype))], "plus_b")
+    return total
+
+
+PASS = register(Pass(NAME, compensate, switch))

@@ -18,14 +18,16 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from surgery import nodes
 from surgery.blocks import FIX_KEY, BlockMap, block_norms, find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
+from surgery.nodes import Emitter
 from surgery.passes import projection
-from surgery.passes.common import Change, Fix, SurgeryResult, check_layers, narrower_than_float32, node_name, record, tag
+from surgery.passes.common import Change, Fix, Pass, SurgeryResult, check_layers, narrower_than_float32, node_name, record, register, tag
 from surgery.passes.parallel import parallelize
 
-PASS = "fuse"
+NAME = "fuse"
 
 
 def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None) -> SurgeryResult:
@@ -55,7 +57,7 @@ def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | No
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
         fixed = {str(k): v.describe() for k, v in sorted(fixes.items()) if k in result.changed_layers and not v.is_identity}
-        record(model, PASS, result.changed_layers, {"fixes": fixed} if fixed else {})
+        record(model, NAME, result.changed_layers, {"fixes": fixed} if fixed else {})
     return result
 
 
@@ -120,19 +122,10 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
     w_out = np.concatenate([w_o, w_down], axis=0).astype(out_dtype)
     b_out = sum((b for b in (b_o, b_down) if b is not None), np.zeros(w_out.shape[1])).astype(out_dtype)
 
-    nodes: list[ir.Node] = []
-
-    def op(op_type, args, what, num_outputs=1, **attributes):
-        node = ir.node(op_type, args, attributes=attributes, num_outputs=num_outputs, name=node_name(PASS, layer, what))
-        for i, v in enumerate(node.outputs):
-            v.name = node_name(PASS, layer, what if num_outputs == 1 else f"{what}_{i}")
-        nodes.append(node)
-        return node.outputs if num_outputs > 1 else node.outputs[0]
-
-    def const(what, array):
-        value = ir.Value(name=node_name(PASS, layer, what), const_value=ir.tensor(array, name=node_name(PASS, layer, what)))
-        g.register_initializer(value)
-        return value
+    built: list[ir.Node] = []
+    e = Emitter(node_name(NAME, layer, "").rstrip("/"), nodes=built)
+    op = e.op
+    const = lambda what, array: nodes.initializer(g, e.name(what), array)  # noqa: E731  weights-sized: initializers
 
     d_model = int(values[ln1.scale].shape[0])
     n = _normalize(op, const, x, ln1, d_model, np_dtype)  # [batch, pos, d_model]
@@ -147,13 +140,13 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
     hidden = op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1)
     both = op("MatMul", [hidden, const("w_out", w_out)], "out_proj")
     if not fix.is_identity:
-        nodes[-1].metadata_props[FIX_KEY] = fix.describe()
+        built[-1].metadata_props[FIX_KEY] = fix.describe()
     if np.any(b_out):
         both = op("Add", [both, const("b_out", b_out)], "out_proj_bias")
     post = op("Add", [x, both], "resid_post")
-    for node in nodes:
-        tag(node, PASS, layer)
-    g.extend(nodes)
+    for node in built:
+        tag(node, NAME, layer)
+    g.extend(built)
     values[block.resid_post].replace_all_uses_with(post, replace_graph_outputs=True)
 
 
@@ -171,3 +164,6 @@ def _normalize(op, const, x, ln, d_model: int, np_dtype):
     rms = op("Sqrt", [op("Add", [mean, const("eps", eps)], "plus_eps")], "rms")
     n = op("Div", [wide, rms], "norm")
     return op("Cast", [n], "norm_" + np_dtype.name, to=ir.DataType.from_numpy(np_dtype)) if narrow else n
+
+
+PASS = register(Pass(NAME, fuse))  # no switch: a fused block is not one the switchboard can turn off

@@ -8,10 +8,10 @@ import onnx_ir as ir
 
 from surgery.blocks import branch_nodes, find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, SurgeryResult, check_layers, node_name, record, tag
+from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, node_name, record, register, tag
 from surgery.graph import values_by_name
 
-PASS = "parallelize"
+NAME = "parallelize"
 
 
 def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:
@@ -36,11 +36,11 @@ def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:
         changes.append(Change(block.layer, "ln2 reads resid_pre"))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
-        record(model, PASS, result.changed_layers, {})
+        record(model, NAME, result.changed_layers, {})
     return result
 
 
-def redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value, layer: int, pass_name: str = PASS) -> None:
+def redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value, layer: int, pass_name: str = NAME) -> None:
     """Make the branch's nodes read `new` where they read `old`; nodes outside the branch keep `old`.
 
     A Cast or Identity that the branch shares with the residual add (optimum writes one for
@@ -74,3 +74,16 @@ def redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value
                 f"cannot parallelize block {layer}: node {node.name!r} ({node.op_type}) feeds both ln2 and the "
                 "residual add; report this graph shape"
             )
+
+
+def switch(board, block, on: ir.Value, prefix: str) -> None:
+    """In a switchboard: ln2 reads resid_pre while `on`, resid_mid while off."""
+    if block.is_parallel:
+        return
+    mid, pre = board.values[block.resid_mid], board.values[block.resid_pre]
+    mlp = branch_nodes(board.model, block, "mlp")
+    chosen = board.emitter(prefix).op("Where", [on, pre, mid], "mlp_in")
+    redirect(board.graph, mlp, mid, chosen, block.layer, "switchboard")
+
+
+PASS = register(Pass(NAME, parallelize, switch))

@@ -15,10 +15,12 @@ import onnx_ir as ir
 
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, SurgeryResult, check_layers, float_dtype, narrower_than_float32, node_name, record, tag
 from surgery.graph import values_by_name
+from surgery.nodes import Emitter
+from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, float_dtype, narrower_than_float32, node_name, record, register, tag
 
-PASS = "project"
+NAME = "project"
+KEEP_SINK = "keep-sink"  # a switchboard kind's last part: tokens at position 0 keep the branch output
 BRANCHES = ("mlp", "attn")
 MODES = ("tangential", "radial", "remove", "scale")
 EDIT_KEY = "surgery.edit"  # on the node that now produces the branch output: what it computes
@@ -53,17 +55,17 @@ def project(
             changes.append(Change(block.layer, f"already {label}", applied=False))
             continue
         ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
-        prefix = unique_name(node_name(PASS, block.layer, f"{branch}_out_{mode}"), taken)
+        prefix = unique_name(node_name(NAME, block.layer, f"{branch}_out_{mode}"), taken)
         nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, float_dtype(model, out))
         if keep_sink:
             if sink is None:
-                sink = sink_mask(model, unique_name(f"surgery/{PASS}/sink", taken))
+                sink = sink_mask(model, unique_name(f"surgery/{NAME}/sink", taken))
             keep = ir.node("Where", [sink, out, new_out], name=f"{prefix}/keep_sink")
             keep.outputs[0].name = f"{prefix}/keep_sink"
             nodes.append(keep)
             new_out = keep.outputs[0]
         for node in nodes:
-            tag(node, PASS, block.layer)
+            tag(node, NAME, block.layer)
         nodes[-1].metadata_props[EDIT_KEY] = label
         model.graph.insert_after(producer, nodes)
         for user, index in list(out.uses()):
@@ -72,7 +74,7 @@ def project(
         changes.append(Change(block.layer, label))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
-        record(model, PASS, result.changed_layers, {"branch": branch, "mode": mode, "scale": scale, "keep_sink": keep_sink or None})
+        record(model, NAME, result.changed_layers, {"branch": branch, "mode": mode, "scale": scale, "keep_sink": keep_sink or None})
     return result
 
 
@@ -96,7 +98,8 @@ def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtyp
     (SmolLM2's resid_mid reaches coordinates of 2.5e4 and |x|^2 of 6e8; float16 ends at 65504).
     """
     nodes: list[ir.Node] = []
-    op, const = _emitters(nodes, prefix)
+    e = Emitter(prefix, nodes=nodes)
+    op, const = e.op, e.const
 
     if mode in ("remove", "scale"):
         factor = const("factor", np.array(0.0 if mode == "remove" else scale, dtype=dtype))
@@ -126,8 +129,9 @@ def sink_mask(model: ir.Model, prefix: str) -> ir.Value:
     Its nodes go first in the graph, so every block can read it."""
     inputs = {v.name: v for v in model.graph.inputs}
     nodes: list[ir.Node] = []
-    op, emit_const = _emitters(nodes, prefix)
-    const = lambda what, value: emit_const(what, np.array(value, np.int64))  # noqa: E731
+    e = Emitter(prefix, nodes=nodes)
+    op = e.op
+    const = lambda what, value: e.const(what, np.array(value, np.int64))  # noqa: E731
 
     if "position_ids" in inputs:
         positions = inputs["position_ids"]  # [batch, seq]
@@ -146,25 +150,27 @@ def sink_mask(model: ir.Model, prefix: str) -> ir.Value:
     return mask
 
 
-def _emitters(nodes: list[ir.Node], prefix: str):
-    """op(op_type, inputs, what, **attributes) and const(what, array): each appends a node named
-    prefix/what to `nodes` and returns its output."""
-
-    def op(op_type, inputs, what, **attributes):
-        node = ir.node(op_type, inputs, attributes=attributes, name=f"{prefix}/{what}")
-        node.outputs[0].name = f"{prefix}/{what}"
-        nodes.append(node)
-        return node.outputs[0]
-
-    def const(what, array):
-        return op("Constant", [], what, value=ir.tensor(np.asarray(array), name=f"{prefix}/{what}"))
-
-    return op, const
-
-
 def unique_name(name: str, taken: set[str]) -> str:
     candidate, i = name, 2
     while any(t == candidate or t.startswith(candidate + "/") for t in taken):
         candidate, i = f"{name}_{i}", i + 1
     taken.add(candidate)
     return candidate
+
+
+def switch(board, block, on: ir.Value, prefix: str, branch: str, mode: str, *options: str) -> None:
+    """In a switchboard: the residual add receives the `mode` part of `branch`'s output while `on`
+    (options (KEEP_SINK,): position 0 keeps the whole output). The edit is computed only while on when board.lazy."""
+    _check(branch, mode, None)
+    out = board.values[block.mlp_out if branch == "mlp" else block.attn_out]
+    ref = board.values[block.mlp_in if branch == "mlp" else block.resid_pre]
+    built, edited = edit_nodes(out, ref, mode, None, prefix, float_dtype(board.model, out))
+    if options == (KEEP_SINK,):
+        sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink"))
+        edited = Emitter(prefix, nodes=built).op("Where", [sink, out, edited], "keep_sink")
+    elif options:
+        raise SurgeryError(f"unknown project switch option {options!r}; the one there is: {KEEP_SINK}")
+    board.choose(block, branch, on, built, edited, f"{prefix}/chosen")
+
+
+PASS = register(Pass(NAME, project, switch))

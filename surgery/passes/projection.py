@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from surgery import ops
+from surgery import nodes, ops
 from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
 
@@ -122,14 +122,14 @@ def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.nda
     """
     old = [p.node.inputs[1]] + ([p.bias_site[0].inputs[p.bias_site[1]]] if p.bias_site else [])
     stored = weight.T if p.transposed else weight
-    p.node.replace_input_with(1, _initializer(graph, f"{name}/weight", stored))
+    p.node.replace_input_with(1, nodes.initializer(graph, f"{name}/weight", stored))
     out = p.output
     if bias is not None and p.bias_site is not None:
         node, index = p.bias_site
-        node.replace_input_with(index, _initializer(graph, f"{name}/bias", bias))
+        node.replace_input_with(index, nodes.initializer(graph, f"{name}/bias", bias))
     elif bias is not None:
         uses = list(p.output.uses())
-        add = ir.node("Add", [p.output, _initializer(graph, f"{name}/bias", bias)], name=f"{name}/bias_add")
+        add = ir.node("Add", [p.output, nodes.initializer(graph, f"{name}/bias", bias)], name=f"{name}/bias_add")
         out = add.outputs[0]
         out.name, out.type, out.shape = f"{name}/out", p.output.type, p.output.shape
         for user, index in uses:
@@ -139,12 +139,6 @@ def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.nda
         if value is not None and not value.uses() and value.name in graph.initializers:
             del graph.initializers[value.name]
     return out
-
-
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(array), name=name))
-    graph.register_initializer(value)
-    return value
 
 
 def quantized(model: ir.Model, block: BlockMap) -> str | None:
