@@ -10,7 +10,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import ops, output
+from surgery import ops, output, validation
 from surgery.errors import SurgeryError
 
 MODEL_FILE = "model.onnx"
@@ -40,6 +40,16 @@ def load(path: str | Path) -> ir.Model:
     normalisations (Skip(Simplified)LayerNormalization) are split into an Add and the normalisation
     (ops.unfuse); `save` joins them again."""
     file = resolve(path)
+    model = read(file)
+    _fix_kv_sizes(model, file.parent)
+    ops.unfuse(model)  # residual adds fused into normalisations become Adds; `save` fuses them again
+    ops.merge_repeated_sums(model)  # a sum recomputed for a second normalisation is the sum itself
+    return model
+
+
+def read(path: str | Path) -> ir.Model:
+    """The ONNX model at `path` as it is on disk, checked (validation.check) before anything uses it."""
+    file = resolve(path)
     try:
         model = ir.load(file)
     except Exception as e:  # protobuf raises DecodeError; onnx_ir may raise others on bad content
@@ -47,9 +57,7 @@ def load(path: str | Path) -> ir.Model:
         raise SurgeryError(
             f"cannot read {file} as an ONNX model ({reason}); pass an .onnx file written by an ONNX exporter"
         ) from None
-    _fix_kv_sizes(model, file.parent)
-    ops.unfuse(model)  # residual adds fused into normalisations become Adds; `save` fuses them again
-    ops.merge_repeated_sums(model)  # a sum recomputed for a second normalisation is the sum itself
+    validation.check(model, file)
     return model
 
 
@@ -247,23 +255,26 @@ def stream_dtype(model: ir.Model) -> ir.DataType:
         dtype = node.inputs[typed].dtype
         if dtype is not None and dtype.is_floating_point():
             return dtype
-    return ir.DataType.FLOAT
+    raise SurgeryError(
+        "cannot tell the residual stream's float type: found no token embedding table with a float type; "
+        "pass a model whose embedding Gather reads a typed float initializer"
+    )
 
 
 def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
     """Return a copy of `model` that also outputs the named values (weights shared, not copied)."""
     model = model.clone()
     values = values_by_name(model)
-    dtype = stream_dtype(model)
     present = {v.name for v in model.graph.outputs}
+    dtype = None
     for name in names:
         if name in present:
             continue
         value = values.get(name)
         if value is None:
             raise SurgeryError(f"the graph has no value named {name!r}; check the name with `surgery inspect`")
-        if value.dtype is None:
-            value.dtype = dtype
+        if value.dtype is None:  # optimum leaves intermediate values untyped
+            value.dtype = dtype = dtype or stream_dtype(model)
         model.graph.outputs.append(value)
         present.add(name)
     return model

@@ -124,6 +124,7 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.I
         kv = None  # graph.load states them in the graph
     else:
         source = str(graph.resolve(model))
+        graph.read(source)  # checked as graph.load checks it, before ORT opens it
         kv = graph.kv_sizes(graph.resolve(model).parent)
     sess = ort.InferenceSession(source, so, providers=list(providers(options.device)))
     sess._surgery_weights = arrays  # ORT reads these buffers in place: they live as long as the session
