@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from surgery import graph, runtime
@@ -327,7 +326,7 @@ def rows(models: Sequence, names: Sequence[str], scores: Sequence[Perplexity], t
 
 
 def latency(
-    models: Sequence[ir.Model | str | Path | ort.InferenceSession],
+    models: Sequence[ir.Model | str | Path | runtime.Session],
     *,
     batch: int = 1,
     seq_len: int = 256,
@@ -349,7 +348,7 @@ def latency(
     """
     with tempfile.TemporaryDirectory() as tmp:
         sessions = [
-            m if isinstance(m, ort.InferenceSession) else runtime.session(m, dataclasses.replace(options, profile=str(Path(tmp) / f"{i}")))
+            m if isinstance(m, runtime.Session) else runtime.session(m, dataclasses.replace(options, profile=str(Path(tmp) / f"{i}")))
             for i, m in enumerate(models)
         ]
         prefill, decode, placements = _warm(sessions, batch, seq_len, max(warmup, 1), seed, bind)

@@ -94,7 +94,19 @@ def providers(device: str = "auto") -> tuple[str, ...]:
     return (CUDA, CPU)
 
 
-def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.InferenceSession:
+class Session:
+    """An ONNX Runtime session and what surgery keeps beside it: the weight buffers ORT reads in place (they
+    live as long as the session) and the KV cache sizes a graph leaves symbolic. Everything else is ORT's own
+    InferenceSession, `ort`, to which the calls it does not know go (run, get_inputs, io_binding, ...)."""
+
+    def __init__(self, sess: Session, weights: dict[str, np.ndarray], kv_sizes: tuple[int, int] | None):
+        self.ort, self.weights, self.kv_sizes = sess, weights, kv_sizes
+
+    def __getattr__(self, name: str):
+        return getattr(self.ort, name)
+
+
+def session(model: ir.Model | str | Path, options: Options = Options()) -> Session:
     """Make an inference session for a model in memory or on disk."""
     if options.optimization not in OPTIMIZATION:
         raise SurgeryError(f"unknown optimization level {options.optimization!r}; use one of {', '.join(OPTIMIZATION)}")
@@ -126,10 +138,7 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> ort.I
         source = str(graph.resolve(model))
         graph.read(source)  # checked as graph.load checks it, before ORT opens it
         kv = graph.kv_sizes(graph.resolve(model).parent)
-    sess = ort.InferenceSession(source, so, providers=list(providers(options.device)))
-    sess._surgery_weights = arrays  # ORT reads these buffers in place: they live as long as the session
-    sess._surgery_kv_sizes = kv  # for a KV cache whose heads / head size the graph leaves symbolic
-    return sess
+    return Session(ort.InferenceSession(source, so, providers=list(providers(options.device))), arrays, kv)
 
 
 _HANDED_OVER = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT8, ir.DataType.UINT8}
@@ -189,7 +198,7 @@ class Portable:
         return model
 
 
-def on_cuda(sess: ort.InferenceSession) -> bool:
+def on_cuda(sess: Session) -> bool:
     """True when the session's inputs belong on the GPU (its first provider is CUDA); where each node runs is `placement`."""
     return sess.get_providers()[0] == CUDA
 
@@ -217,7 +226,7 @@ class Placement:
         return f"{short_name(self.provider)} (CPU: {', '.join(f'{op} x{n}' for op, n in self.on_cpu)})"
 
 
-def profile_events(sess: ort.InferenceSession) -> list[dict] | None:
+def profile_events(sess: Session) -> list[dict] | None:
     """End the profile of `sess` (made with Options.profile) and read the events ORT wrote; None when the
     session does not profile or its profile has ended. Later runs of the session are not profiled."""
     if not sess.get_session_options().enable_profiling:
@@ -238,7 +247,7 @@ def placement_of(events: list[dict], provider: str) -> Placement:
     return Placement(provider, len(nodes), tuple(sorted(on_cpu.items(), key=lambda item: (-item[1], item[0]))))
 
 
-def placement(sess: ort.InferenceSession) -> Placement | None:
+def placement(sess: Session) -> Placement | None:
     """Where ORT ran the nodes of `sess`, from the profile of its runs so far (Options.profile; run it once
     first), which this ends; None for a session without a profile or with one already ended."""
     events = profile_events(sess)
@@ -246,7 +255,7 @@ def placement(sess: ort.InferenceSession) -> Placement | None:
 
 
 def feeds(
-    sess: ort.InferenceSession,
+    sess: Session,
     input_ids: np.ndarray,
     past: dict[str, np.ndarray] | None = None,
     extra: dict[str, np.ndarray] | None = None,
@@ -275,8 +284,8 @@ def feeds(
                 out[arg.name] = past[arg.name]
             else:
                 heads, head_dim = arg.shape[1], arg.shape[3]
-                if not (isinstance(heads, int) and isinstance(head_dim, int)) and getattr(sess, "_surgery_kv_sizes", None):
-                    heads, head_dim = sess._surgery_kv_sizes
+                if not (isinstance(heads, int) and isinstance(head_dim, int)) and getattr(sess, "kv_sizes", None):
+                    heads, head_dim = sess.kv_sizes
                 if not (isinstance(heads, int) and isinstance(head_dim, int)):
                     raise SurgeryError(
                         f"graph input {arg.name} {arg.shape} leaves the number of KV heads or the head size symbolic, so "
@@ -293,11 +302,11 @@ def feeds(
     return out
 
 
-def has_kv_cache(sess: ort.InferenceSession) -> bool:
+def has_kv_cache(sess: Session) -> bool:
     return any(arg.name.startswith("past_key_values") for arg in sess.get_inputs())
 
 
-def present_as_past(sess: ort.InferenceSession, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+def present_as_past(sess: Session, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
     """Map a run's present.N.key/value outputs to the past_key_values.N.key/value inputs of the next run."""
     names = [o.name for o in sess.get_outputs()]
     return {
@@ -319,7 +328,7 @@ class Prepared:
     Inputs may be OrtValues already on the device, such as a bound run's present (decode_inputs).
     """
 
-    def __init__(self, sess: ort.InferenceSession, inputs: dict[str, Feed], bind: bool | None = None):
+    def __init__(self, sess: Session, inputs: dict[str, Feed], bind: bool | None = None):
         self.sess, self.inputs = sess, inputs
         self.device = "cuda" if on_cuda(sess) else "cpu"
         self.binding, self._outputs = None, None
@@ -370,7 +379,7 @@ def decode_inputs(prefill: Prepared, next_ids: np.ndarray) -> dict[str, Feed]:
     return {**feeds(prefill.sess, next_ids, stand_ins), **past}
 
 
-def vocab_size(sess: ort.InferenceSession) -> int:
+def vocab_size(sess: Session) -> int:
     """The fixed last dimension of the `logits` output."""
     for out in sess.get_outputs():
         if out.name == "logits" and isinstance(out.shape[-1], int):
