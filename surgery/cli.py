@@ -113,18 +113,6 @@ def _progress():
         yield tell
 
 
-def _counter(tell, stage: str, total: int):
-    """Turn tell(stage, done, total) into progress(n) that counts n more done."""
-    done = 0
-
-    def step(n: int) -> None:
-        nonlocal done
-        done += n
-        tell(stage, done, total)
-
-    return step
-
-
 @_command
 def export(
     source: Annotated[str, typer.Argument(help="Hub id, local HF folder, .gguf file, or `smollm2-135m` (bundled).")],
@@ -230,24 +218,17 @@ def parallelize(
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
-    from surgery import runtime, select
+    from surgery import rewrite, runtime, select
 
-    if calibrate and compensate is False:
-        raise SurgeryError("--calibrate is a form of compensation (the scalar gate); drop --no-compensate or --calibrate")
     explicit = layers.strip().lower() != "auto"
     if explicit and (workers or ray):
         raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
-    fit = "gate" if calibrate else ("full" if (compensate if compensate is not None else not explicit) else None)
+    fit = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
     options = runtime.Options(threads=threads)
     budget = select.Budget.parse(max_kl, max_loss_increase)
     if explicit:
-        def apply(m, chosen):
-            fixes = None
-            if fit is not None:
-                fixes = select.fit_fixes(m, model, chosen, fit=fit, corpus=data, seq_len=seq_len, fit_windows=fit_windows, tokenizer=tokenizer, options=options)
-            return select.rewrite(m, chosen, fused=fuse, fixes=fixes)
-
-        _rewrite(model, out_path, layers, as_json, apply)
+        _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit=fit, fused=fuse, corpus=data, seq_len=seq_len,
+                                                 fit_windows=fit_windows, tokenizer=tokenizer, options=options), as_json)
         return
     with _progress() as tell:
         outcome, written = select.auto(
@@ -311,20 +292,12 @@ def ablate(
 ) -> None:
     """Keep only the tangential or radial part of a branch's output, remove it, or scale it."""
     from surgery.passes import project
+    from surgery.rewrite import rewrite_file
 
-    _rewrite(model, out_path, layers, as_json, lambda m, chosen: project(m, branch, mode, chosen, scale, keep_sink))
+    _print_changes(*rewrite_file(model, out_path, layers, lambda m, chosen: project(m, branch, mode, chosen, scale, keep_sink)), as_json)
 
 
-def _rewrite(model_path: Path, out_path: Path, layers: str, as_json: bool, apply) -> None:
-    from surgery import graph
-    from surgery.blocks import find_blocks
-    from surgery.layers import parse_layers
-
-    model = graph.load(model_path)
-    graph.check_output(out_path, model_path, model)
-    chosen = parse_layers(layers, len(find_blocks(model, where=str(model_path))))
-    result = apply(model, chosen)
-    written = graph.write(result.model, out_path, like=model_path)
+def _print_changes(result, written: Path, as_json: bool) -> None:
     if as_json:
         changes = [{"layer": c.layer, "change": c.what, "applied": c.applied} for c in result.changes]
         print(json.dumps({"out": str(written), "changes": changes}, indent=2))
@@ -357,35 +330,22 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side."""
-    from surgery import data as corpus
     from surgery import evaluate as ev
-    from surgery import graph, runtime
+    from surgery import runtime
 
-    for model in models:
-        graph.resolve(model)  # every path checked before minutes of work
-    ev.check_seq_len(models[0], seq_len, decode=latency)
-    windows = corpus.windows(
-        models[0], data, seq_len=seq_len, stride=stride, max_windows=max_windows, part=part, tokenizer=tokenizer
-    )
-    options = runtime.Options(threads=threads, device=device)
-    names = _short_names(models)
-    timings = []
     with _progress() as tell:
-        steps = [_counter(tell, f"perplexity {name}", len(windows)) for name in names]
-        scores = ev.compare(models, windows, batch_size=batch_size, options=options, progress=lambda i, n: steps[i](n))
-        if latency:
-            timings = ev.latency(
-                models, batch=latency_batch, seq_len=seq_len, repeats=repeats, warmup=warmup, options=options,
-                progress=_counter(tell, "latency (interleaved)", repeats),
-            )
-    rows = ev.rows(models, names, scores, timings)
+        windows, rows = ev.side_by_side(
+            models, _short_names(models), corpus=data, seq_len=seq_len, stride=stride, max_windows=max_windows, part=part,
+            tokenizer=tokenizer, batch_size=batch_size, measure_latency=latency, latency_batch=latency_batch, repeats=repeats,
+            warmup=warmup, options=runtime.Options(threads=threads, device=device), progress=tell,
+        )
     if as_json:
         print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
         return
     table = Table(show_edge=False, pad_edge=False, title=f"{windows.name}: {len(windows)} windows x {seq_len} tokens, {windows.tokens} scored", title_justify="left")
     for column in ("model", "loss", "ppl", "dNLL", "95 % CI", "KL", "95 % CI ", "KL p99", "top-1"):
         table.add_column(column, justify="left" if column == "model" else "right")
-    if timings:
+    if latency:
         table.add_column("provider")  # where ORT ran the nodes: CUDA, or CUDA (CPU: the ops it left on the host)
         for column in ("prefill ms", "decode ms/tok", "prefill x", "decode x"):
             table.add_column(column, justify="right")
@@ -400,7 +360,7 @@ def evaluate(
         else:
             cells += [f"{row['kl']:.4f}", escape(f"[{row['kl_interval'][0]:.4f}, {row['kl_interval'][1]:.4f}]"),
                       f"{row['kl_p99']:.4f}", f"{100 * row['top1_agreement']:.1f} %"]
-        if timings:
+        if latency:
             cells += [
                 escape(row["placement"]),
                 f"{row['prefill_ms']:.2f}",
@@ -410,7 +370,7 @@ def evaluate(
             ]
         table.add_row(*cells)
     out.print(table)
-    if timings:
+    if latency:
         out.print(f"x = first model's median time / this model's ({repeats} interleaved repeats, batch {latency_batch}); > 1 is faster", highlight=False)
     if len(rows) > 1:
         out.print("KL = mean token KL(first || this), nats; top-1 = positions whose most likely next token agrees with the first's", highlight=False)

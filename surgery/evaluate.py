@@ -305,6 +305,39 @@ def compare(
     return [joined(p) for p in parts]
 
 
+def side_by_side(models: Sequence, names: Sequence[str], *, corpus=None, seq_len: int = 256, stride: int | None = None,
+                 max_windows: int | None = None, part: str = "evaluation", tokenizer=None, batch_size: int = 1,
+                 measure_latency: bool = True, latency_batch: int = 1, repeats: int = 20, warmup: int = 3,
+                 options: runtime.Options = runtime.Options(), progress=None) -> tuple[Windows, list[dict]]:
+    """What `surgery evaluate` measures: the models scored on the corpus's windows (`compare`), then their
+    latency with the repeats interleaved; the windows and one row per model (`rows`).
+    progress(stage, done, total), one stage per model's perplexity and one for the latency."""
+    from surgery import data
+
+    tell = progress or (lambda stage, done, total: None)
+    for model in models:
+        graph.resolve(model)  # every path checked before minutes of work
+    check_seq_len(models[0], seq_len, decode=measure_latency)
+    windows = data.windows(models[0], corpus, seq_len=seq_len, stride=stride, max_windows=max_windows, part=part, tokenizer=tokenizer)
+    done = [0] * len(models)
+
+    def scored(i: int, n: int) -> None:
+        done[i] += n
+        tell(f"perplexity {names[i]}", done[i], len(windows))
+
+    scores = compare(models, windows, batch_size=batch_size, options=options, progress=scored)
+    timings = []
+    if measure_latency:
+        runs = [0]
+
+        def timed(n: int) -> None:
+            runs[0] += n
+            tell("latency (interleaved)", runs[0], repeats)
+
+        timings = latency(models, batch=latency_batch, seq_len=seq_len, repeats=repeats, warmup=warmup, options=options, progress=timed)
+    return windows, rows(models, names, scores, timings)
+
+
 def rows(models: Sequence, names: Sequence[str], scores: Sequence[Perplexity], timings: Sequence[Latency] = ()) -> list[dict]:
     """What `surgery evaluate` prints per model, from `compare` (and `latency`): loss, dNLL vs the first with its
     interval, KL / its interval / p99 / top-1 agreement vs the first (None for the first), latency and ratios."""
