@@ -17,10 +17,9 @@ import time
 
 from common import ROOT, smollm2, table
 
-import numpy as np
 import onnx_ir as ir
 
-from surgery import data, evaluate, graph, ops
+from surgery import canonical, data, evaluate, graph, ops
 from surgery.blocks import branch_nodes, find_blocks
 from surgery.passes import parallelize, project
 
@@ -51,7 +50,7 @@ def fused_norms_per_block(path) -> list[int]:
     counts = []
     for block in find_blocks(model):
         nodes = branch_nodes(model, block, "attn") | branch_nodes(model, block, "mlp")
-        counts.append(sum(1 for n in nodes if n.op_type in ops.NORMS and (ops.unfused_from(n) or "").startswith("Skip")))
+        counts.append(sum(1 for n in nodes if n.op_type in ops.NORMS and (canonical.unfused_from(n) or "").startswith("Skip")))
     return counts
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tempfile
 import time
@@ -14,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import graph, runtime
+from surgery import config, graph, runtime
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 
@@ -491,27 +490,10 @@ def branch_times(
 
 def check_seq_len(model: str | Path, seq_len: int, decode: bool = True) -> None:
     """Refuse a window longer than the model's position limit (decode needs seq_len + 1 positions)."""
-    limit = position_limit(model)
+    limit = config.position_limit(graph.resolve(model).parent)
     needed = seq_len + 1 if decode else seq_len
     if limit is not None and needed > limit:
         raise SurgeryError(
             f"--seq-len {seq_len} is beyond the model's position limit {limit} (config.json or genai_config.json"
             f"{'; decode needs seq-len + 1' if decode else ''}); choose --seq-len {limit - 1 if decode else limit} or less"
         )
-
-
-def position_limit(model: str | Path) -> int | None:
-    """The model's position limit from config.json beside it (max_position_embeddings or n_positions), or
-    from genai_config.json (model.context_length) in a GenAI builder folder."""
-    folder = graph.resolve(model).parent
-    for name, keys in (("config.json", ("max_position_embeddings", "n_positions")), ("genai_config.json", ("context_length",))):
-        try:
-            data = json.loads((folder / name).read_text())
-        except (json.JSONDecodeError, OSError):
-            continue
-        data = data.get("model", {}) if name == "genai_config.json" else data
-        for key in keys:
-            if isinstance(data.get(key), int):
-                return data[key]
-    return None
-

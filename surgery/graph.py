@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import ops, output, validation
+from surgery import canonical, metadata, ops, output, validation
 from surgery.errors import SurgeryError
 
 MODEL_FILE = "model.onnx"
@@ -36,15 +35,11 @@ def resolve(path: str | Path) -> Path:
 
 
 def load(path: str | Path) -> ir.Model:
-    """Load an ONNX model; external data is referenced, not read into memory. Residual adds fused into
-    normalisations (Skip(Simplified)LayerNormalization) are split into an Add and the normalisation
-    (ops.unfuse); `save` joins them again."""
+    """Load an ONNX model in the plain view every pass works on (canonical.on_load: residual adds fused into
+    normalisations split out, ...); `save` writes it back in the input's own ops. External data is
+    referenced, not read into memory."""
     file = resolve(path)
-    model = read(file)
-    _fix_kv_sizes(model, file.parent)
-    ops.unfuse(model)  # residual adds fused into normalisations become Adds; `save` fuses them again
-    ops.merge_repeated_sums(model)  # a sum recomputed for a second normalisation is the sum itself
-    return model
+    return canonical.on_load(read(file), file.parent)
 
 
 def read(path: str | Path) -> ir.Model:
@@ -59,43 +54,6 @@ def read(path: str | Path) -> ir.Model:
         ) from None
     validation.check(model, file)
     return model
-
-
-def _fix_kv_sizes(model: ir.Model, folder: Path) -> None:
-    """Give KV cache inputs [batch, heads, past, head_size] whose heads or head size the graph leaves symbolic
-    the sizes the model config beside it states, so that an empty cache can be fed (a rewrite of it then
-    states them too). Without a config they stay symbolic and feeding an empty cache says what to do."""
-    kv = [v for v in model.graph.inputs if v.name.startswith("past_key_values") and v.shape is not None and v.shape.rank() == 4]
-    if not any(not isinstance(v.shape[i], int) for v in kv for i in (1, 3)):
-        return
-    sizes = kv_sizes(folder)
-    if sizes is None:
-        return
-    for value in kv:
-        dims = list(value.shape)
-        dims[1], dims[3] = sizes
-        value.shape = ir.Shape(dims)
-
-
-def kv_sizes(folder: Path) -> tuple[int, int] | None:
-    """(KV heads, head size) from config.json or genai_config.json in `folder`; None when neither states them."""
-    def read(name):
-        try:
-            return json.loads((folder / name).read_text())
-        except (OSError, ValueError):
-            return None
-
-    genai = read("genai_config.json")
-    decoder = ((genai or {}).get("model") or {}).get("decoder") or {}
-    if isinstance(decoder.get("num_key_value_heads"), int) and isinstance(decoder.get("head_size"), int):
-        return decoder["num_key_value_heads"], decoder["head_size"]
-    config = read("config.json") or {}
-    heads = config.get("num_attention_heads") or config.get("n_head")
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_size = config.get("head_dim") or ((config.get("hidden_size") or config.get("n_embd") or 0) // heads if heads else None)
-    if isinstance(kv_heads, int) and isinstance(head_size, int) and head_size > 0:
-        return kv_heads, head_size
-    return None
 
 
 def external_data(model: ir.Model) -> dict[str, Path]:
@@ -127,9 +85,7 @@ def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None)
     output holds no dead weights. New weights go, once, to their own data file.
     """
     dest = Path(dest)
-    model = model.clone()  # weights shared, not copied
-    ops.refuse(model)
-    ops.split_shared_sums(model)  # so that ONNX Runtime can fuse both of a parallel block's norms
+    model = canonical.on_save(model.clone())  # weights shared, not copied
     with output.file(dest, needed=lambda: _bytes(model)) as partial:
         for name, text in (extra or {}).items():
             (partial / name).write_text(text)
@@ -292,16 +248,4 @@ def all_values(graph: ir.Graph) -> Iterable[ir.Value]:
         yield from node.outputs
 
 
-HISTORY_KEY = "surgery.history"
-
-
-def history(model: ir.Model) -> list[dict]:
-    """The surgery recorded in the model's metadata_props, oldest first."""
-    raw = model.metadata_props.get(HISTORY_KEY)
-    if not raw:
-        return []
-    try:
-        entries = json.loads(raw)
-    except json.JSONDecodeError:
-        raise SurgeryError(f"metadata {HISTORY_KEY!r} is not valid JSON; the model was edited by another tool") from None
-    return entries if isinstance(entries, list) else [entries]
+history = metadata.history  # the surgery recorded in a model, oldest first

@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from surgery import graph
+from surgery import config, graph
 from surgery.errors import SurgeryError
 
 _FATAL_ONLY = 4  # ORT log severity: keep provider-loading errors off a CPU machine's terminal
@@ -137,7 +137,7 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> Sessi
     else:
         source = str(graph.resolve(model))
         graph.read(source)  # checked as graph.load checks it, before ORT opens it
-        kv = graph.kv_sizes(graph.resolve(model).parent)
+        kv = config.kv_sizes(graph.resolve(model).parent)
     return Session(ort.InferenceSession(source, so, providers=list(providers(options.device))), arrays, kv)
 
 

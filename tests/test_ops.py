@@ -3,7 +3,6 @@ compute, and are written back, with the epsilon they were read with."""
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_schemas

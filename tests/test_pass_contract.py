@@ -13,9 +13,10 @@ from surgery.analysis import switchboard as board_graph
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.graph import values_by_name
+from surgery.metadata import tag
 from surgery.nodes import Emitter
 from surgery.passes import PASSES, Change, Pass, SurgeryResult, project
-from surgery.passes.common import check_layers, float_dtype, node_name, record, tag
+from surgery.passes.common import check_layers, float_dtype, node_name, record
 
 # ---- the pass module: surgery/passes/scale_attn.py would hold exactly this ----
 NAME = "scale_attn"

@@ -4,22 +4,19 @@ how new nodes are named."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
-from surgery import __version__, graph
+from surgery import __version__, graph, metadata
 from surgery.blocks import BlockMap
 from surgery.errors import SurgeryError
 
 if TYPE_CHECKING:
     from surgery.passes.projection import Projection
 
-PASS_KEY = "surgery.pass"  # node metadata: which pass made or rewired the node
-LAYER_KEY = "surgery.layer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,18 +155,10 @@ def check_layers(layers: Collection[int], blocks: list[BlockMap]) -> set[int]:
     return chosen
 
 
-def tag(node: ir.Node, pass_name: str, layer: int) -> None:
-    """Mark a node as made or rewired by a pass, so Netron and `inspect` show what was done."""
-    node.metadata_props[PASS_KEY] = pass_name
-    node.metadata_props[LAYER_KEY] = str(layer)
-
-
 def node_name(pass_name: str, layer: int, what: str) -> str:
     return f"surgery/{pass_name}/blocks.{layer}/{what}"
 
 
 def record(model: ir.Model, pass_name: str, layers: Collection[int], options: dict) -> None:
-    """Append this pass to the model's surgery history (metadata_props, JSON)."""
-    entries = graph.history(model)
-    entries.append({"pass": pass_name, "layers": sorted(layers), "options": options, "version": __version__})
-    model.metadata_props[graph.HISTORY_KEY] = json.dumps(entries)
+    """Append this pass to the model's surgery history."""
+    metadata.record(model, {"pass": pass_name, "layers": sorted(layers), "options": options, "version": __version__})

@@ -18,13 +18,23 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from surgery.blocks import FIX_KEY, BlockMap, branch_nodes, find_blocks
+from surgery import metadata
+from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
+from surgery.metadata import tag
 from surgery.nodes import Emitter
 from surgery.passes import projection
-from surgery.passes.common import PASS_KEY, Change, Fix, Pass, SurgeryResult, check_layers, node_name, record, register, tag
-from surgery.passes.parallel import NAME as PARALLELIZE
+from surgery.passes.common import (
+    Change,
+    Fix,
+    Pass,
+    SurgeryResult,
+    check_layers,
+    node_name,
+    record,
+    register,
+)
 from surgery.passes.parallel import parallelize
 
 NAME = "compensate"
@@ -60,7 +70,7 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
         out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down), node_name(NAME, layer, "down_proj"))
         for node in {attn.node, mlp.node, out.producer()}:
             tag(node, NAME, layer)
-        mlp.node.metadata_props[FIX_KEY] = fix.describe()
+        mlp.node.metadata_props[metadata.FIX] = fix.describe()
         changes.append(Change(layer, f"parallel, {fix.describe()}: fix folded into W_o and W_down"))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
@@ -79,7 +89,7 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
             f"cannot compensate block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so a fix "
             "of attn_out and mlp_out cannot be folded into W_o and W_down; parallelize it plain with --no-compensate"
         )
-    if block.is_parallel and not any(n.metadata_props.get(PASS_KEY) == PARALLELIZE for n in branch_nodes(model, block, "mlp")):
+    if block.is_parallel and not any(metadata.made_by(n) == metadata.PARALLELIZE for n in branch_nodes(model, block, "mlp")):
         return (
             f"cannot compensate block {block.layer}: it is parallel in the model as exported, so it has no "
             "sequential-to-parallel defect to fix; use `ablate --mode scale` to rescale a branch"

@@ -18,16 +18,27 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import nodes
-from surgery.blocks import FIX_KEY, BlockMap, block_norms, find_blocks
+from surgery import metadata, nodes
+from surgery.blocks import BlockMap, block_norms, find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
+from surgery.metadata import tag
 from surgery.nodes import Emitter
 from surgery.passes import projection
-from surgery.passes.common import Change, Fix, Pass, SurgeryResult, check_layers, narrower_than_float32, node_name, record, register, tag
+from surgery.passes.common import (
+    Change,
+    Fix,
+    Pass,
+    SurgeryResult,
+    check_layers,
+    narrower_than_float32,
+    node_name,
+    record,
+    register,
+)
 from surgery.passes.parallel import parallelize
 
-NAME = "fuse"
+NAME = metadata.FUSE  # find_blocks tells a fused block by it
 
 
 def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None) -> SurgeryResult:
@@ -140,7 +151,7 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
     hidden = op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1)
     both = op("MatMul", [hidden, const("w_out", w_out)], "out_proj")
     if not fix.is_identity:
-        built[-1].metadata_props[FIX_KEY] = fix.describe()
+        built[-1].metadata_props[metadata.FIX] = fix.describe()
     if np.any(b_out):
         both = op("Add", [both, const("b_out", b_out)], "out_proj_bias")
     post = op("Add", [x, both], "resid_post")

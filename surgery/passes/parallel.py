@@ -6,12 +6,22 @@ from collections.abc import Collection
 
 import onnx_ir as ir
 
+from surgery import metadata
 from surgery.blocks import branch_nodes, find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, node_name, record, register, tag
 from surgery.graph import values_by_name
+from surgery.metadata import tag
+from surgery.passes.common import (
+    Change,
+    Pass,
+    SurgeryResult,
+    check_layers,
+    node_name,
+    record,
+    register,
+)
 
-NAME = "parallelize"
+NAME = metadata.PARALLELIZE  # saving splits the sums of the blocks it rewired
 
 
 def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:

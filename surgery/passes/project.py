@@ -13,17 +13,28 @@ from collections.abc import Collection
 import numpy as np
 import onnx_ir as ir
 
+from surgery import metadata
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
+from surgery.metadata import tag
 from surgery.nodes import Emitter
-from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, float_dtype, narrower_than_float32, node_name, record, register, tag
+from surgery.passes.common import (
+    Change,
+    Pass,
+    SurgeryResult,
+    check_layers,
+    float_dtype,
+    narrower_than_float32,
+    node_name,
+    record,
+    register,
+)
 
 NAME = "project"
 KEEP_SINK = "keep-sink"  # a switchboard kind's last part: tokens at position 0 keep the branch output
 BRANCHES = ("mlp", "attn")
 MODES = ("tangential", "radial", "remove", "scale")
-EDIT_KEY = "surgery.edit"  # on the node that now produces the branch output: what it computes
 
 
 def project(
@@ -51,7 +62,7 @@ def project(
             )
         out = values[block.mlp_out if branch == "mlp" else block.attn_out]
         producer = out.producer()
-        if producer is not None and producer.metadata_props.get(EDIT_KEY) == label:
+        if producer is not None and producer.metadata_props.get(metadata.EDIT) == label:
             changes.append(Change(block.layer, f"already {label}", applied=False))
             continue
         ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
@@ -66,7 +77,7 @@ def project(
             new_out = keep.outputs[0]
         for node in nodes:
             tag(node, NAME, block.layer)
-        nodes[-1].metadata_props[EDIT_KEY] = label
+        nodes[-1].metadata_props[metadata.EDIT] = label
         model.graph.insert_after(producer, nodes)
         for user, index in list(out.uses()):
             if user.op_type == "Add" and user not in nodes:  # the residual add, not our own nodes
