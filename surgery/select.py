@@ -176,7 +176,7 @@ def select_layers(
     score: str | None = None,
     budget: Budget = Budget(),
     max_layers: int | None = None,
-    patience: int | None = None,
+    patience: int | None = PATIENCE,
     protect_first: int = 0,
     protect_last: int = 0,
     try_both: bool = False,
@@ -385,15 +385,7 @@ def auto(
     fit_windows: int = 64,
     eval_windows: int = 8,
     fit: str | None = "full",
-    score: str | None = None,
-    budget: Budget = Budget(),
-    max_layers: int | None = None,
-    patience: int | None = PATIENCE,
-    protect_first: int = 0,
-    protect_last: int = 0,
     fused: bool = False,
-    try_both: bool = False,
-    refit: bool = False,
     measure_latency: bool = True,
     repeats: int = 20,
     tokenizer=None,
@@ -401,10 +393,12 @@ def auto(
     progress: Progress | None = None,
     workers: int | None = None,
     ray: str | None = None,
+    **greedy,
 ) -> tuple[Outcome, Path]:
     """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path.
-    workers / ray: the selection's trials are scored on a local Ray cluster of that many CPUs / on the Ray
-    cluster at that address (the fit pass and the evaluation stay in this process).
+    greedy: how select_layers chooses (score, budget, max_layers, patience, protect_first, protect_last,
+    try_both, refit). workers / ray: the selection's trials are scored on a local Ray cluster of that many
+    CPUs / on the Ray cluster at that address (the fit pass and the evaluation stay in this process).
 
     Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
     dNLL checks); the reported dNLL is on the disjoint evaluation windows.
@@ -414,7 +408,7 @@ def auto(
     graph.check_output(out, model_path, model)
     blocks = find_blocks(model, where=str(model_path))
     if fused:  # before any work: a block that cannot be fused would fail only after the fit and the selection
-        for block in blocks[protect_first : len(blocks) - protect_last]:
+        for block in blocks[greedy.get("protect_first", 0) : len(blocks) - greedy.get("protect_last", 0)]:
             if not block.is_parallel and (why := fuse_refusal(model, block)) is not None:
                 raise SurgeryError(f"{why} (--fuse applies to every chosen block; drop --fuse or protect the block)")
     get = lambda part, count: data.windows(model_path, corpus, seq_len=seq_len, max_windows=count, part=part, tokenizer=tokenizer)  # noqa: E731
@@ -424,11 +418,7 @@ def auto(
         fit_part, sel = None, get("calibration", windows)
     ev = get("evaluation", eval_windows)
     with cluster.pool(workers, ray) as pool:
-        selection = select_layers(
-            model, sel, fit_windows=fit_part, fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience,
-            protect_first=protect_first, protect_last=protect_last, try_both=try_both, refit=refit, options=options, progress=tell,
-            pool=pool,
-        )
+        selection = select_layers(model, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
     done = [0]

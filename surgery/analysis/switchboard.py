@@ -20,11 +20,11 @@ import onnx_ir as ir
 
 from surgery import nodes
 from surgery.blocks import BlockMap, find_blocks
+from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
 from surgery.nodes import Emitter
 from surgery.passes import PASSES
 from surgery.passes.common import Fix, float_dtype
-from surgery.errors import SurgeryError
 
 SWITCHES = "surgery_switches"
 Kind = tuple[str, ...]

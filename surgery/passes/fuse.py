@@ -25,17 +25,7 @@ from surgery.graph import values_by_name
 from surgery.metadata import tag
 from surgery.nodes import Emitter
 from surgery.passes import projection
-from surgery.passes.common import (
-    Change,
-    Fix,
-    Pass,
-    SurgeryResult,
-    check_layers,
-    narrower_than_float32,
-    node_name,
-    record,
-    register,
-)
+from surgery.passes.common import Change, Fix, Pass, SurgeryResult, check_layers, narrower_than_float32, node_name, record, register
 from surgery.passes.parallel import parallelize
 
 NAME = metadata.FUSE  # find_blocks tells a fused block by it

@@ -19,17 +19,7 @@ from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
 from surgery.metadata import tag
 from surgery.nodes import Emitter
-from surgery.passes.common import (
-    Change,
-    Pass,
-    SurgeryResult,
-    check_layers,
-    float_dtype,
-    narrower_than_float32,
-    node_name,
-    record,
-    register,
-)
+from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, float_dtype, narrower_than_float32, node_name, record, register
 
 NAME = "project"
 KEEP_SINK = "keep-sink"  # a switchboard kind's last part: tokens at position 0 keep the branch output
