@@ -331,7 +331,7 @@ def evaluate(
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side."""
     from surgery import evaluate as ev
-    from surgery import runtime
+    from surgery import report, runtime
 
     with _progress() as tell:
         windows, rows = ev.side_by_side(
@@ -353,7 +353,7 @@ def evaluate(
         low_high = row["dnll_interval"]
         cells = [
             row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}",
-            "-" if low_high is None else escape(f"[{low_high[0]:+.4f}, {low_high[1]:+.4f}]"),
+            "-" if low_high is None else escape(report.interval(low_high)),
         ]
         if row["kl"] is None:
             cells += ["-"] * 4
@@ -422,7 +422,7 @@ def diagnose(
                 shown = []
                 for mode, x in modes.items():
                     ci = intervals.get(branch, {}).get(mode)
-                    shown.append(f"{mode} {x:+.4f}" + (f" [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""))
+                    shown.append(f"{mode} {report.with_interval(x, ci)}")
                 cells.append(f"{branch} " + ", ".join(shown))
             value = "; ".join(cells)
         elif isinstance(value, dict):

@@ -16,6 +16,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from surgery import config, graph, runtime
 from surgery.data import Windows
 from surgery.errors import SurgeryError
+from surgery.report import with_interval
 
 TARGETS, NLL = "surgery_targets", "surgery_nll"
 LOGPROBS, TOP1 = "surgery_logprobs", "surgery_top1"  # every scoring graph's next-token distribution and its argmax
@@ -72,7 +73,7 @@ class Delta:
     high: float
 
     def __str__(self) -> str:
-        return f"{self.dnll:+.4f} [{self.low:+.4f}, {self.high:+.4f}]"
+        return with_interval(self.dnll, (self.low, self.high))
 
     def to_json(self) -> dict:
         return {"dnll": self.dnll, "low": self.low, "high": self.high}

@@ -27,12 +27,12 @@ def parse_layers(spec: str, n_layers: int) -> tuple[int, ...]:
             raise SurgeryError(f"cannot read --layers {spec!r}; write it like 0-3,7 or -1 or all")
         if match.group(1) is not None:
             index = int(match.group(1))
-            chosen.add(_check(index, n_layers, spec) % n_layers)
+            chosen.add(checked(index, n_layers, spec))
         else:
             start, stop = int(match.group(2)), int(match.group(3))
             if stop < start:
                 raise SurgeryError(f"--layers range {item} runs backwards; write it low-high, like {stop}-{start}")
-            _check(stop, n_layers, spec)
+            checked(stop, n_layers, spec)
             chosen.update(range(start, stop + 1))
     return tuple(sorted(chosen))
 
@@ -50,10 +50,11 @@ def format_layers(layers) -> str:
     return ",".join(parts) or "none"
 
 
-def _check(index: int, n_layers: int, spec: str) -> int:
+def checked(index: int, n_layers: int, spec: str | None = None) -> int:
+    """A layer index (negative counts from the end) as a non-negative one, or an error saying it is out of range."""
     if not -n_layers <= index < n_layers:
+        where = f" in --layers {spec!r}" if spec is not None else ""
         raise SurgeryError(
-            f"layer {index} in --layers {spec!r} is out of range: the model has {n_layers} blocks "
-            f"(0-{n_layers - 1}, or -{n_layers} to -1)"
+            f"layer {index}{where} is out of range: the model has {n_layers} blocks (0-{n_layers - 1}, or -{n_layers} to -1)"
         )
-    return index
+    return index % n_layers

@@ -40,6 +40,21 @@ class Emitter:
         return self.op("Constant", [], what, value=ir.tensor(np.asarray(array), name=self.name(what)))
 
 
+def if_else(cond: ir.Value, then: tuple[list[ir.Node], ir.Value], otherwise: ir.Value, name: str) -> ir.Node:
+    """An If node named `name` whose output (named `name` too) is then[1], computed by the nodes then[0], when
+    `cond`, else `otherwise` handed on through an Identity: the nodes of the branch not taken compute nothing."""
+    nodes, out = then
+    off = ir.node("Identity", [otherwise], name=f"{name}/off")
+    off.outputs[0].name = f"{name}/off"
+    branches = {
+        "then_branch": ir.Graph([], [out], nodes=nodes, name=f"{name}/on"),
+        "else_branch": ir.Graph([], off.outputs, nodes=[off], name=f"{name}/off"),
+    }
+    node = ir.node("If", [cond], attributes=branches, name=name)
+    node.outputs[0].name = name
+    return node
+
+
 def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     """A new initializer of `graph` holding `array` (weights, folded or switched)."""
     value = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(array), name=name))

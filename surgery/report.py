@@ -74,14 +74,14 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
         for branch in ("mlp", "attn"):
             row, ci = a["all_layers"][branch], a.get("all_layers_interval", {}).get(branch, {})
             sink, sink_ci = kept.get(branch, {}), a.get("all_layers_keep_sink_interval", {}).get(branch, {})
-            cells = [_fmt_dnll(row["tangential"], ci.get("tangential")), _fmt_dnll(sink.get("tangential"), sink_ci.get("tangential")),
-                     _fmt_dnll(row["radial"], ci.get("radial")), _fmt_dnll(sink.get("radial"), sink_ci.get("radial")),
-                     _fmt_dnll(row["remove"], ci.get("remove"))]
+            cells = [with_interval(row["tangential"], ci.get("tangential")), with_interval(sink.get("tangential"), sink_ci.get("tangential")),
+                     with_interval(row["radial"], ci.get("radial")), with_interval(sink.get("radial"), sink_ci.get("radial")),
+                     with_interval(row["remove"], ci.get("remove"))]
             lines.append(f"| {branch} | " + " | ".join(cells) + " |")
     columns = [("deficit", lambda r, l: r["deficit"]["deficit"][l]),
                ("d_attn", lambda r, l: r["diversity"]["d_attn"][l]), ("d_mlp", lambda r, l: r["diversity"]["d_mlp"][l]),
                ("C", lambda r, l: r["defect"]["c"][l]), ("C_stream", lambda r, l: r["defect"]["c_stream"][l]),
-               ("dNLL parallel [95 % CI]", lambda r, l: _fmt_dnll(r["defect"].get("dnll_parallel", [None] * n)[l],
+               ("dNLL parallel [95 % CI]", lambda r, l: with_interval(r["defect"].get("dnll_parallel", [None] * n)[l],
                                                                   r["defect"].get("dnll_parallel_interval", [None] * n)[l])),
                ("KL parallel", lambda r, l: r["defect"].get("kl_parallel", [None] * n)[l]),
                ("top-1 parallel", lambda r, l: r["defect"].get("top1_parallel", [None] * n)[l]),
@@ -221,11 +221,16 @@ def _forms(report) -> str:
     return ", ".join(f"{forms.count(f)} {f}" for f in ("sequential", "parallel") if forms.count(f))
 
 
-def _fmt_dnll(value, interval) -> str:
-    """A dNLL beside its interval: "+0.0123 [+0.0051, +0.0213]"."""
-    if value is None or interval is None:
+def interval(bounds) -> str:
+    """A dNLL's interval: "[+0.0051, +0.0213]"."""
+    return f"[{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
+
+
+def with_interval(value, bounds) -> str:
+    """A dNLL beside its interval: "+0.0123 [+0.0051, +0.0213]" (the value alone without one)."""
+    if value is None or bounds is None:
         return _fmt(value)
-    return f"{value:+.4f} [{interval[0]:+.4f}, {interval[1]:+.4f}]"
+    return f"{value:+.4f} {interval(bounds)}"
 
 
 def _fmt(value) -> str:

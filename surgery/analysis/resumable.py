@@ -13,7 +13,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from surgery import graph
 from surgery.blocks import BlockMap
 from surgery.graph import values_by_name
-from surgery.nodes import Emitter
+from surgery.nodes import Emitter, if_else
 
 START, RESUME = "surgery_start", "surgery_resid_pre"
 
@@ -112,15 +112,9 @@ def _skippable(g: ir.Graph, nodes: set[ir.Node], post: ir.Value, start: ir.Value
     uses = [(user, i) for user, i in post.uses() if user not in nodes]
     moved = [node for node in g if node in nodes]  # in graph order
     g.remove(moved)
-    skip = ir.node("Identity", [resume], name=f"{prefix}/skipped")
-    skip.outputs[0].name = f"{prefix}/skipped"
     emit = Emitter(prefix, graph=g)
     runs = emit.op("LessOrEqual", [start, emit.const("layer", np.array(layer, np.int64))], "runs")
-    branches = {
-        "then_branch": ir.Graph([], [post], nodes=moved, name=f"{prefix}/run"),
-        "else_branch": ir.Graph([], skip.outputs, nodes=[skip], name=f"{prefix}/skip"),
-    }
-    node = ir.node("If", [runs], attributes=branches, name=prefix)
+    node = if_else(runs, (moved, post), resume, prefix)  # else: the earlier run's stream handed on
     out = node.outputs[0]
     out.name, out.type, out.shape = f"{prefix}/resid_post", post.type, post.shape
     g.append(node)

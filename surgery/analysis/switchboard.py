@@ -69,14 +69,7 @@ class Board:
             self.graph.extend(built)
             chosen = self.emitter("").op("Where", [on, edited, current], name)
         else:
-            off = ir.node("Identity", [current], name=f"{name}/off")
-            off.outputs[0].name = f"{name}/off"
-            branches = {
-                "then_branch": ir.Graph([], [edited], nodes=built, name=f"{name}/on"),
-                "else_branch": ir.Graph([], off.outputs, nodes=[off], name=f"{name}/off"),
-            }
-            node = ir.node("If", [on], attributes=branches, name=name)
-            node.outputs[0].name = name
+            node = nodes.if_else(on, (built, edited), current, name)
             self.graph.append(node)
             chosen = node.outputs[0]
         for user, i in list(current.uses()):

@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from surgery import __version__, graph, metadata
 from surgery.blocks import BlockMap
-from surgery.errors import SurgeryError
+from surgery.layers import checked
 
 if TYPE_CHECKING:
     from surgery.passes.projection import Projection
@@ -146,13 +146,7 @@ def narrower_than_float32(dtype) -> bool:
 
 def check_layers(layers: Collection[int], blocks: list[BlockMap]) -> set[int]:
     """Selected layers as non-negative indices; negative ones count from the end."""
-    n = len(blocks)
-    chosen = set()
-    for layer in layers:
-        if not -n <= layer < n:
-            raise SurgeryError(f"layer {layer} is out of range: the model has {n} blocks (0-{n - 1})")
-        chosen.add(layer % n)
-    return chosen
+    return {checked(layer, len(blocks)) for layer in layers}
 
 
 def node_name(pass_name: str, layer: int, what: str) -> str:
