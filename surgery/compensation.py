@@ -1,7 +1,7 @@
 """The compensation fit: a ridge least-squares fix of each block's sequential-to-parallel defect.
 
 For a sequential block, A = attn_out, P = mlp(ln2(resid_pre)) and delta = mlp(ln2(resid_mid)) - P
-on calibration tokens. Fit delta ~ A w_a + P w_p + b, i.e. delta ~ z W with z = [A, P, 1]:
+on calibration tokens. FitResult delta ~ A w_a + P w_p + b, i.e. delta ~ z W with z = [A, P, 1]:
 
     W = (Z'Z + ridge * diag(Z'Z))^-1 Z'delta        (float64)
 
@@ -52,7 +52,7 @@ Progress = Callable[[int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
-class Fit:
+class FitResult:
     """One block's fitted fix and how well it generalises. fix is None when the fit failed (note says why)."""
 
     layer: int
@@ -115,14 +115,14 @@ class NormalEquations:
         pp, pd, dd = self._traces(None)  # mlp(ln2 h) = P + delta: |.|^2 = pp + 2 pd + dd, <., P> = pp + pd
         return defect.ratios(dd, pp + 2 * pd + dd, float(self.yy.sum()), pp + pd, pp)
 
-    def solve(self, layer: int, kind: str = "full", ridges=RIDGES, defect: bool = True) -> Fit:
+    def solve(self, layer: int, kind: str = "full", ridges=RIDGES, defect: bool = True) -> FitResult:
         """The fix of one block: `full` (ridge least squares, the ridge chosen on the held-out fold,
         then refitted on both folds) or `gate` (alpha_l, the paper's scalar). A fit that is not
         finite is refused (fix None, with a note). defect: the target was the defect itself, so the
         one-pass scores (C_l, C_l^stream, alpha_l) can be read off the sums; False leaves them out."""
         d = self.zd.shape[2]
         tokens, scores = int(self.tokens.sum()), self.scores() if defect else {}
-        failed = lambda why: Fit(layer, None, None, None, None, tokens, why, scores)  # noqa: E731
+        failed = lambda why: FitResult(layer, None, None, None, None, tokens, why, scores)  # noqa: E731
         if self.tokens.min() == 0:
             return failed("too few windows to hold one fold out; give more fit windows")
         if not all(np.isfinite(a).all() for a in (self.zz, self.zd, self.dd, self.yy)):
@@ -142,7 +142,7 @@ class NormalEquations:
                 return failed("ill-conditioned: the fit is not finite; the block stays plain parallel")
             fix = Fix(w_a=weights[:d], w_p=weights[d : 2 * d], b=weights[2 * d])
         left = max(float(left), 0.0)
-        return Fit(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), tokens, "", scores)
+        return FitResult(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), tokens, "", scores)
 
 
 def _scaling(zz: np.ndarray) -> np.ndarray:
@@ -240,9 +240,9 @@ def fit(
     progress: Progress | None = None,
     keep_stream: dict[int, list[np.ndarray]] | None = None,
     drift: dict[int, list[np.ndarray]] | None = None,
-) -> dict[int, Fit]:
-    """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
-    normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each Fit also carries the
+) -> dict[int, FitResult]:
+    """FitResult the fix of each sequential block in `layers` (all when None; a parallel block, or one that
+    normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
     block's uncompensated scores.
 
     fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
@@ -273,7 +273,7 @@ def fit(
     parallel_on, fixed_on = (set((on or {}).get(kind, ())) for kind in KINDS)
     per_chunk = max(1, memory_bytes // NormalEquations.nbytes(d_model))
     chunks = [todo[i : i + per_chunk] for i in range(0, len(todo), per_chunk)]
-    results: dict[int, Fit] = {}
+    results: dict[int, FitResult] = {}
     done, total = 0, len(chunks) * len(windows)
     for chunk in chunks:
         sums = {layer: NormalEquations(d_model) for layer in chunk}

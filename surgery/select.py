@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from surgery import cluster, compensation, data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
-from surgery.compensation import KINDS, Fit
+from surgery.compensation import KINDS, FitResult
 from surgery.data import Windows
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.probe import defect_scores
@@ -106,7 +106,7 @@ class Selection:
     c_stream: tuple[float | None, ...]
     c_comp: tuple[float | None, ...]
     alpha: tuple[float | None, ...]
-    fits: dict[int, Fit]
+    fits: dict[int, FitResult]
     trials: tuple[Trial, ...]
     base_loss: float  # selection windows
     dnll: Delta  # of the chosen set, selection windows
@@ -316,7 +316,7 @@ def _form(selection: Selection, fused: bool) -> str:
     return ("fused " if fused else "") + " and ".join(dict.fromkeys(kinds))
 
 
-def _forms(layer: int, fits: dict[int, Fit], try_both: bool) -> tuple[str, ...]:
+def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[str, ...]:
     """The forms to try for a candidate, in order. Compensated first when it has a fix; plain after
     it only with try_both, or when the fit does not lower the held-out defect (a bad fit)."""
     f = fits.get(layer)
