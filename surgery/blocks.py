@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from surgery import ops
+from surgery import canonical, ops
 from surgery.errors import SurgeryError
 from surgery.graph import values_by_name
 
@@ -113,14 +113,14 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
         kinds = [_branch_kind(b, pre, stream) for b in branches]
         if sorted(kinds) == ["attn", "mlp"]:
             attn, mlp = (branches if kinds[0] == "attn" else branches[::-1])
-            blocks.append(_block(len(blocks), pre, attn, None, pre, mlp, post, norms, stream, is_const))
+            blocks.append(_block(len(blocks), pre, attn, None, pre, mlp, post, norms, stream))
             i += 1
             continue
         if kinds == ["attn"]:
             mid, post2, branches2 = steps[i + 1] if i + 1 < len(steps) else (None, None, [])
             if [_branch_kind(b, mid, stream) for b in branches2] == ["mlp"]:
                 blocks.append(
-                    _block(len(blocks), pre, branches[0], mid, mid, branches2[0], post2, norms, stream, is_const)
+                    _block(len(blocks), pre, branches[0], mid, mid, branches2[0], post2, norms, stream)
                 )
                 i += 2
                 continue
@@ -128,7 +128,7 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
                 # `surgery parallelize --fuse` wrote one branch that is attention and mlp at once
                 blocks.append(
                     dataclasses.replace(
-                        _block(len(blocks), pre, branches[0], None, pre, branches[0], post, norms, stream, is_const),
+                        _block(len(blocks), pre, branches[0], None, pre, branches[0], post, norms, stream),
                         mlp_kind="fused", fused=True,
                     )
                 )
@@ -166,7 +166,7 @@ class Norm:
     output: str  # the value the projections read
     scale: str  # 1-D initializer [d_model]
     bias: str | None
-    eps: float
+    eps: float | None  # None: a decomposed RMSNorm whose epsilon is not one constant
 
 
 def block_norms(model: ir.Model, block: BlockMap) -> tuple[Norm, Norm]:
@@ -213,7 +213,7 @@ def _read_norm(node: ir.Node, x: ir.Value, layer: int, which: str) -> Norm:
         kind = ops.NORMS[node.op_type]
         attr = node.attributes.get("epsilon")
         bias = node.inputs[2].name if kind == "LayerNorm" and len(node.inputs) > 2 and node.inputs[2] is not None else None
-        return Norm(kind, x.name, node.outputs[0].name, node.inputs[1].name, bias, float(attr.value) if attr else 1e-5)
+        return Norm(kind, x.name, node.outputs[0].name, node.inputs[1].name, bias, float(attr.value) if attr else ops.EPSILON[node.op_type])
     # Decomposed RMSNorm: ReduceMean -> Add(eps) -> Sqrt -> Div(1, .) | Reciprocal -> Mul(x, .) -> [Cast] -> Mul(scale, .)
     value, eps = node.outputs[0], None
     for _ in range(8):
@@ -227,15 +227,14 @@ def _read_norm(node: ir.Node, x: ir.Value, layer: int, which: str) -> Norm:
         if user.op_type == "Mul":
             scale = next((v for v in user.inputs if v is not None and v.const_value is not None and v.shape is not None and v.shape.rank() == 1), None)
             if scale is not None:
-                return Norm("RMSNorm", x.name, user.outputs[0].name, scale.name, None, eps if eps is not None else 1e-6)
+                return Norm("RMSNorm", x.name, user.outputs[0].name, scale.name, None, eps)
         value = user.outputs[0]
     raise SurgeryError(f"block {layer}: cannot read the scale of {which} (RMSNorm reading {x.name!r}); this graph shape is not supported for --fuse")
 
 
-def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) -> BlockMap:
+def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream) -> BlockMap:
     ln_kinds = sorted(set(norms.get(pre, []))) or ["none"]
     mlp_nodes = _branch_nodes(mlp, stream)
-    weights = sum(1 for n in mlp_nodes if n.op_type in ops.PROJECTIONS and any(is_const(x) for x in n.inputs))
     fix = next((n.metadata_props[FIX_KEY] for n in mlp_nodes if FIX_KEY in n.metadata_props), None)
     post_norm = any(_normalised(out, norms, stream) for out in (attn, mlp))
     return BlockMap(
@@ -247,10 +246,45 @@ def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream, is_const) ->
         mlp_out=mlp.name,
         resid_post=post.name,
         ln_kind=" / ".join(ln_kinds),
-        mlp_kind="gated" if weights >= 3 else "plain",
+        mlp_kind=_mlp_kind(mlp_nodes, stream),
         fix=fix,
         post_norm=post_norm,
     )
+
+
+def _mlp_kind(nodes: set[ir.Node], stream: set[ir.Value]) -> str:
+    """'gated' when a Mul of the mlp multiplies values computed from two projections, or from two parts (Split
+    outputs, Slices) of one fused gate_up projection: act(x W_gate) * (x W_up). 'plain' otherwise: act(x W_in)'s
+    own Muls (GELU's, SiLU's x * sigmoid(x)) read one projection. Quantizers are read through, and a quantized
+    projection is one projection (MatMulInteger's Cast and rescale Mul read its output and scales only)."""
+    memo: dict[ir.Value, frozenset] = {}
+
+    def projections(value: ir.Value | None) -> frozenset:
+        """The projection outputs `value` is computed from, each as (projection node, parts taken of it)."""
+        if value is None or value in stream:
+            return frozenset()
+        if value not in memo:
+            node = value.producer()
+            if node is None or node.op_type in ("Shape", "Size"):  # a weight, a graph input, or only a shape
+                found = frozenset()
+            elif node.op_type in ops.PROJECTIONS:
+                found = frozenset({(node,)})
+            elif node.op_type in ops.QUANTIZERS:  # outputs 1 and 2 of DynamicQuantizeLinear: a scale, a zero point
+                found = projections(node.inputs[ops.QUANTIZERS[node.op_type]]) if value is node.outputs[0] else frozenset()
+            elif node.op_type in ("Split", "Slice"):  # the part taken: which output, or which Slice node
+                part = (node, list(node.outputs).index(value))
+                found = frozenset(p + (part,) for p in projections(node.inputs[0]))
+            else:
+                found = frozenset().union(*(projections(x) for x in node.inputs))
+            memo[value] = found
+        return memo[value]
+
+    for node in nodes:
+        if node.op_type == "Mul" and node.domain in ops.STANDARD_DOMAINS and len(node.inputs) == 2:
+            a, b = (projections(x) for x in node.inputs)
+            if a and b and a != b:
+                return "gated"
+    return "plain"
 
 
 def _normalised(out: ir.Value, norms: dict[ir.Value, list[str]], stream: set[ir.Value]) -> bool:
@@ -276,7 +310,7 @@ def _find_norms(graph: ir.Graph) -> dict[ir.Value, list[str]]:
     for node in graph:
         kind, reads = None, None
         if node.op_type in ops.NORMS and node.domain in (*ops.STANDARD_DOMAINS, ops.MS):
-            kind, reads = f"{ops.NORMS[node.op_type]} ({ops.unfused_from(node) or 'fused op'})", _strip_casts(node.inputs[0])
+            kind, reads = f"{ops.NORMS[node.op_type]} ({canonical.unfused_from(node) or 'fused op'})", _strip_casts(node.inputs[0])
         elif node.op_type == "ReduceMean" and _reduces_last_axis(node):
             square = _strip_casts(node.inputs[0]).producer()
             base = _squared(square)

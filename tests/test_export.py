@@ -9,6 +9,16 @@ from surgery.export import export, resolve_source
 
 torch = pytest.importorskip("torch")
 runner = CliRunner()
+# family -> config overrides of its tiny model. Gemma 2 softcaps its attention scores, here at 5, and a 0.1 weight
+# scale makes them large enough to bend: sdpa attention, which drops the softcap, moves the logits by 3e-3.
+# (Gemma 3 in transformers 4.57 reads attn_logit_softcapping but applies it nowhere.)
+FAMILIES = {
+    "gpt2": {},
+    "llama": {},
+    "qwen2": {},
+    "gemma2": {"initializer_range": 0.1, "attn_logit_softcapping": 5.0},
+    "gemma3_text": {"initializer_range": 0.1},
+}
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -97,3 +107,57 @@ def test_opset_is_the_one_asked_for(tmp_path, exporter, past):
 def test_dynamo_exporter_has_no_kv_cache(tmp_path):
     with pytest.raises(SurgeryError, match="--no-past"):
         export("anything", tmp_path / "x", exporter="dynamo", past=True)
+
+
+def _save_tiny(family, folder):
+    """A tiny random HF folder of `family` (graphs.make_fixtures' families, and Gemma 3 text built here)."""
+    from graphs.make_fixtures import TOKENIZER, save_tiny
+
+    if family != "gemma3_text":
+        return save_tiny(family, folder, **FAMILIES[family])
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, vocab_size=512, max_position_embeddings=256, sliding_window=256, bos_token_id=0,
+                              eos_token_id=0, pad_token_id=0, **FAMILIES[family])
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
+
+
+def _hf_logits(folder, ids, attention):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
+
+
+@pytest.mark.parametrize("exporter,past", [("optimum", True), ("dynamo", False)], ids=["optimum", "dynamo"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_equals_the_hf_model_in_eager_attention(family, exporter, past, tmp_path):
+    """The exported logits equal the HF model's with eager attention, the reference implementation, to float
+    error; for Gemma 2 sdpa attention is 3e-3 away, so an export that used it fails here."""
+    from surgery import graph, runtime
+
+    hf = _save_tiny(family, tmp_path / "hf")
+    export(str(hf), tmp_path / "onnx", exporter=exporter, past=past)
+    ids = np.random.default_rng(0).integers(0, 512, size=(2, 11))
+    session = runtime.session(graph.load(tmp_path / "onnx"))
+    got = session.run(["logits"], runtime.feeds(session, ids))[0]
+    expected = _hf_logits(hf, ids, "eager")
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    if FAMILIES[family].get("attn_logit_softcapping"):
+        assert np.abs(_hf_logits(hf, ids, "sdpa") - expected).max() > 1e-3  # the comparison can fail
+
+
+def test_eager_attention_is_chosen_from_the_config():
+    from transformers import Gemma2Config, LlamaConfig
+
+    assert export_module.needs_eager_attention(Gemma2Config())  # softcapping 50 by default
+    assert not export_module.needs_eager_attention(Gemma2Config(attn_logit_softcapping=None))
+    assert not export_module.needs_eager_attention(LlamaConfig())
+    softcapped = LlamaConfig()
+    softcapped.attn_logit_softcapping = 30.0
+    assert export_module.needs_eager_attention(softcapped)
