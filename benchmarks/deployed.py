@@ -15,13 +15,12 @@ import collections
 import shutil
 import time
 
-from common import ROOT, smollm2, table
-
 import onnx_ir as ir
+from common import ROOT, smollm2, table
 
 from surgery import canonical, data, evaluate, graph, ops
 from surgery.blocks import branch_nodes, find_blocks
-from surgery.passes import parallelize, project
+from surgery.passes import ablate, parallelize
 
 OUT = ROOT / "out"
 LAYERS = {5, 22, 25}
@@ -55,7 +54,7 @@ def fused_norms_per_block(path) -> list[int]:
 
 
 def main() -> None:
-    from graphs.deployed import genai_build, genai_greedy, ort_optimize
+    from fixtures.deployed import genai_build, genai_greedy, ort_optimize
     from tests.reference import greedy
 
     parser = argparse.ArgumentParser()
@@ -77,7 +76,7 @@ def main() -> None:
         model = graph.load(path)
         blocks = find_blocks(model)
         base = evaluate.perplexity(model, windows)
-        tangential = evaluate.perplexity(project(model, "mlp", "tangential", range(len(blocks))).model, windows)
+        tangential = evaluate.perplexity(ablate(model, "mlp", "tangential", range(len(blocks))).model, windows)
         par = evaluate.perplexity(parallelize(model, LAYERS).model, windows)
         written = ir.load(graph.resolve(path))  # the file's own ops, before load splits the fused norms
         ops_count = collections.Counter(n.op_type for n in written.graph if n.domain == ops.MS or n.op_type in ops.NORMS)

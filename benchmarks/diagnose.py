@@ -16,20 +16,20 @@ import sys
 import time
 from unittest import mock
 
-from common import smollm2, table
-
 import numpy as np
 import torch
+from common import smollm2, table
 from threadpoolctl import threadpool_limits
 from transformers import AutoModelForCausalLM
 
 from surgery import cluster, data, graph, runtime
-from surgery.blocks import find_blocks
 from surgery.analysis import field as field_graph
+from surgery.analysis import probe as probe_graph
 from surgery.analysis import resumable as resumable_graph
+from surgery.blocks import find_blocks
 from surgery.diagnostics import diagnose
-from surgery.diagnostics.diagnose import _switch_losses
 from surgery.diagnostics.critical import tangent_basis
+from surgery.diagnostics.diagnose import _switch_losses
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine, tangential, unit
 from surgery.export import resolve_source
 
@@ -120,7 +120,7 @@ def losses_section(folder, windows: int, seq_len: int, rounds: int) -> None:
     model = graph.load(folder)
     blocks = find_blocks(model)
     ev = data.windows(folder, seq_len=seq_len, max_windows=windows, part="evaluation")
-    kinds = [("parallelize",), ("project", "mlp", "tangential")]
+    kinds = [("parallelize",), ("ablate", "mlp", "tangential")]
     options = runtime.analysis(runtime.Options())
     ways = {"whole forwards, one two-thread run at a time": (1, True), "prefix reuse, one two-thread run at a time": (1, False),
             "prefix reuse, two one-thread runs at a time (default)": (2, False)}
@@ -193,7 +193,7 @@ def newton_rows(folder, report: dict, windows, layers: list[int], n_seeds: int) 
     |F| / |g|: where it ends, measured by both residuals and by how large the mlp output is there."""
     model = graph.load(folder)
     blocks = find_blocks(model)
-    tapped = graph.tap(model, [blocks[l].mlp_in for l in layers])
+    tapped = probe_graph.tap(model, [blocks[l].mlp_in for l in layers])
     sess = runtime.session(tapped)
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, runtime.feeds(sess, windows.ids[:1]))))
     rows = []

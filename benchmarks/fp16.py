@@ -15,7 +15,7 @@ from common import ROOT, smollm2, table
 
 from surgery import data, evaluate, graph
 from surgery.layers import parse_layers
-from surgery.passes import fuse, parallelize, project
+from surgery.passes import ablate, fuse, parallelize
 
 SMOLLM2_FP16 = ROOT / "out" / "smollm2-fp16"
 
@@ -38,11 +38,11 @@ def main() -> None:
         "none": lambda m: m,
         "parallel": lambda m: parallelize(m, layers).model,
         "parallel, fused": lambda m: fuse(m, layers).model,
-        "parallel + mlp tangential": lambda m: project(parallelize(m, layers).model, "mlp", "tangential", layers).model,
-        "mlp radial": lambda m: project(m, "mlp", "radial", layers).model,
-        "mlp remove": lambda m: project(m, "mlp", "remove", layers).model,
-        "attn tangential": lambda m: project(m, "attn", "tangential", layers).model,
-        "attn scale 0.5": lambda m: project(m, "attn", "scale", layers, 0.5).model,
+        "parallel + mlp tangential": lambda m: ablate(parallelize(m, layers).model, "mlp", "tangential", layers).model,
+        "mlp radial": lambda m: ablate(m, "mlp", "radial", layers).model,
+        "mlp remove": lambda m: ablate(m, "mlp", "remove", layers).model,
+        "attn tangential": lambda m: ablate(m, "attn", "tangential", layers).model,
+        "attn scale 0.5": lambda m: ablate(m, "attn", "scale", layers, 0.5).model,
     }
     windows = data.windows(fp32, seq_len=args.seq_len, max_windows=args.windows)
     rows, base = [], {}

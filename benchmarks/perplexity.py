@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import smollm2, table
-
 import numpy as np
 import torch
+from common import smollm2, table
 from transformers import AutoModelForCausalLM
 
 from surgery import data, evaluate

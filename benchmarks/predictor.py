@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 from common import smollm2, table
 
-import numpy as np
-
-from surgery import data, graph, runtime
-from surgery.blocks import block_norms, find_blocks
+from surgery import data, graph, nodes, runtime
 from surgery.analysis import probe as probe_graph
 from surgery.analysis import switchboard as board_graph
+from surgery.blocks import block_norms, find_blocks
 from surgery.diagnostics import diagnose
 from surgery.diagnostics.rank import spearman
 
@@ -38,7 +37,7 @@ def next_scales(model, blocks) -> list[np.ndarray]:
     """The scale of the normalisation that reads each block's resid_post: the next block's ln1, or the final norm."""
     from surgery.blocks import _norm_nodes, _read_norm  # the final norm is not any block's ln
 
-    values = graph.values_by_name(model)
+    values = nodes.values_by_name(model)
     scales = [np.asarray(values[block_norms(model, b)[0].scale].const_value.numpy(), np.float64) for b in blocks[1:]]
     last = values[blocks[-1].resid_post]
     node = next(n for n in _norm_nodes(last))
@@ -59,7 +58,7 @@ def candidate_scores(path, windows, tokens: int) -> dict[str, list[float]]:
     model = graph.load(path)
     blocks = find_blocks(model)
     g = next_scales(model, blocks)
-    head = lm_head(graph.values_by_name(model)["logits"])
+    head = lm_head(nodes.values_by_name(model)["logits"])
     p = probe_graph.probe(model, tensors=("mlp_out", "resid_post"), twin=True)
     sess = runtime.session(p.model)
     names = [o.name for o in sess.get_outputs()]

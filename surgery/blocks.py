@@ -19,12 +19,11 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from surgery import canonical, ops
+from surgery import canonical, metadata, ops
 from surgery.errors import SurgeryError
-from surgery.graph import values_by_name
+from surgery.nodes import values_by_name
 
 ATTENTION_OPS = ops.ATTENTION
-FIX_KEY = "surgery.fix"  # node metadata: the output projection carries a folded fix (compensated / calibrated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +123,7 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
                 )
                 i += 2
                 continue
-            if any(n.metadata_props.get("surgery.pass") == "fuse" for n in _branch_nodes(branches[0], stream)):
+            if any(metadata.made_by(n) == metadata.FUSE for n in _branch_nodes(branches[0], stream)):
                 # `surgery parallelize --fuse` wrote one branch that is attention and mlp at once
                 blocks.append(
                     dataclasses.replace(
@@ -235,7 +234,7 @@ def _read_norm(node: ir.Node, x: ir.Value, layer: int, which: str) -> Norm:
 def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream) -> BlockMap:
     ln_kinds = sorted(set(norms.get(pre, []))) or ["none"]
     mlp_nodes = _branch_nodes(mlp, stream)
-    fix = next((n.metadata_props[FIX_KEY] for n in mlp_nodes if FIX_KEY in n.metadata_props), None)
+    fix = next((n.metadata_props[metadata.FIX] for n in mlp_nodes if metadata.FIX in n.metadata_props), None)
     post_norm = any(_normalised(out, norms, stream) for out in (attn, mlp))
     return BlockMap(
         layer=layer,

@@ -291,10 +291,10 @@ def ablate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.")] = False,
 ) -> None:
     """Keep only the tangential or radial part of a branch's output, remove it, or scale it."""
-    from surgery.passes import project
+    from surgery.passes import ablate as edit
     from surgery.rewrite import rewrite_file
 
-    _print_changes(*rewrite_file(model, out_path, layers, lambda m, chosen: project(m, branch, mode, chosen, scale, keep_sink)), as_json)
+    _print_changes(*rewrite_file(model, out_path, layers, lambda m, chosen: edit(m, branch, mode, chosen, scale, keep_sink)), as_json)
 
 
 def _print_changes(result, written: Path, as_json: bool) -> None:

@@ -40,8 +40,7 @@ from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
-from surgery.passes import Fix
-from surgery.passes import projection
+from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # times diag(Z'Z); chosen per layer on the held-out fold

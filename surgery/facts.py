@@ -7,8 +7,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import graph, ops
+from surgery import graph, metadata, ops
 from surgery.blocks import BlockMap, find_blocks
+from surgery.errors import SurgeryError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +67,14 @@ def describe(path: str | Path) -> ModelFacts:
         external_data=tuple(p.name for p in graph.external_data_files(model)),
         inputs=tuple(_info(v) for v in model.graph.inputs),
         outputs=tuple(_info(v) for v in model.graph.outputs),
-        history=tuple(graph.history(model)),
+        history=tuple(metadata.history(model)),
         blocks=tuple(blocks),
     )
 
 
-def embedding_table(model: ir.Model) -> tuple[int, int] | None:
-    """(vocab, d_model) from the token embedding: a Gather (or GatherBlockQuantized) from a 2-D weight by a graph
-    input, the one reading input_ids first (an ORT-optimized gpt2 lists its position table before it)."""
+def embedding(model: ir.Model) -> ir.Node | None:
+    """The token embedding: a Gather (or GatherBlockQuantized) from a 2-D weight by a graph input, the one reading
+    input_ids first (an ORT-optimized gpt2 lists its position table before it)."""
     found = []
     for node in model.graph:
         table, ids = node.inputs[0] if node.inputs else None, node.inputs[1] if len(node.inputs) > 1 else None
@@ -81,12 +82,34 @@ def embedding_table(model: ir.Model) -> tuple[int, int] | None:
             continue
         source = _input_behind(ids)
         if table.shape is not None and table.shape.rank() == 2 and source is not None:
-            vocab, width = int(table.shape[0]), int(table.shape[1])
-            if node.op_type == "GatherBlockQuantized" and table.dtype in (ir.DataType.UINT8, ir.DataType.INT8):
-                bits = node.attributes["bits"].value if "bits" in node.attributes else 4
-                width = width * 8 // bits  # packed: 8 / bits values a byte
-            found.append((source.name != "input_ids", vocab, width))
-    return min(found, key=lambda f: f[0])[1:] if found else None  # the first one reading input_ids, else the first
+            found.append((source.name != "input_ids", len(found), node))
+    return min(found, key=lambda f: f[:2])[2] if found else None
+
+
+def embedding_table(model: ir.Model) -> tuple[int, int] | None:
+    """(vocab, d_model) of the token embedding table (unpacked, when quantized), or None."""
+    node = embedding(model)
+    if node is None:
+        return None
+    table = node.inputs[0]
+    vocab, width = int(table.shape[0]), int(table.shape[1])
+    if node.op_type == "GatherBlockQuantized" and table.dtype in (ir.DataType.UINT8, ir.DataType.INT8):
+        bits = node.attributes["bits"].value if "bits" in node.attributes else 4
+        width = width * 8 // bits  # packed: 8 / bits values a byte
+    return vocab, width
+
+
+def stream_dtype(model: ir.Model) -> ir.DataType:
+    """The float type of the residual stream: that of the token embedding table (of its scales when quantized)."""
+    node = embedding(model)
+    typed = ops.EMBEDDINGS[node.op_type][1] if node is not None else None
+    dtype = node.inputs[typed].dtype if node is not None and len(node.inputs) > typed else None
+    if dtype is None or not dtype.is_floating_point():
+        raise SurgeryError(
+            "cannot tell the residual stream's float type: found no token embedding table with a float type; "
+            "pass a model whose embedding Gather reads a typed float initializer"
+        )
+    return dtype
 
 
 def _input_behind(value: ir.Value, depth: int = 3) -> ir.Value | None:

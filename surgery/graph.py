@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import canonical, metadata, ops, output, validation
+from surgery import canonical, output, validation
 from surgery.errors import SurgeryError
 
 MODEL_FILE = "model.onnx"
@@ -200,52 +199,3 @@ def _inline_bytes(model: ir.Model) -> int:
         for v in model.graph.initializers.values()
         if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor)
     )
-
-
-def stream_dtype(model: ir.Model) -> ir.DataType:
-    """The float type of the residual stream: that of the token embedding table (of its scales when quantized)."""
-    for node in model.graph:
-        table, typed = ops.EMBEDDINGS.get(node.op_type, (None, None))
-        if table is None or len(node.inputs) <= typed or not ops.is_weight(node.inputs[table]):
-            continue
-        dtype = node.inputs[typed].dtype
-        if dtype is not None and dtype.is_floating_point():
-            return dtype
-    raise SurgeryError(
-        "cannot tell the residual stream's float type: found no token embedding table with a float type; "
-        "pass a model whose embedding Gather reads a typed float initializer"
-    )
-
-
-def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
-    """Return a copy of `model` that also outputs the named values (weights shared, not copied)."""
-    model = model.clone()
-    values = values_by_name(model)
-    present = {v.name for v in model.graph.outputs}
-    dtype = None
-    for name in names:
-        if name in present:
-            continue
-        value = values.get(name)
-        if value is None:
-            raise SurgeryError(f"the graph has no value named {name!r}; check the name with `surgery inspect`")
-        if value.dtype is None:  # optimum leaves intermediate values untyped
-            value.dtype = dtype = dtype or stream_dtype(model)
-        model.graph.outputs.append(value)
-        present.add(name)
-    return model
-
-
-def values_by_name(model: ir.Model) -> dict[str, ir.Value]:
-    """Every named value of the main graph: inputs, initializers, node outputs."""
-    return {v.name: v for v in all_values(model.graph)}
-
-
-def all_values(graph: ir.Graph) -> Iterable[ir.Value]:
-    yield from graph.inputs
-    yield from graph.initializers.values()
-    for node in graph:
-        yield from node.outputs
-
-
-history = metadata.history  # the surgery recorded in a model, oldest first

@@ -1,4 +1,5 @@
-"""Node builders every graph edit shares: one way to add an op, a constant, a weight, a copy of nodes.
+"""Values by name, and the node builders every graph edit shares: one way to add an op, a constant, a weight,
+an If, a copy of nodes.
 
 Small constants (axes, scalars, factors) are Constant nodes, so that they travel with the nodes that read
 them (an If's branch can hold them); arrays the size of a weight are initializers of the main graph.
@@ -85,3 +86,15 @@ def copy_all(nodes: Iterable[ir.Node], mapping: dict[ir.Value, ir.Value], prefix
         mapping.update(zip(node.outputs, new.outputs))
         copies.append(new)
     return copies, mapping
+
+
+def values_by_name(model: ir.Model) -> dict[str, ir.Value]:
+    """Every named value of the main graph: inputs, initializers, node outputs."""
+    return {v.name: v for v in all_values(model.graph)}
+
+
+def all_values(graph: ir.Graph) -> Iterable[ir.Value]:
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in graph:
+        yield from node.outputs

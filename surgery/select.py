@@ -28,11 +28,11 @@ from pathlib import Path
 import onnx_ir as ir
 
 from surgery import cluster, compensation, data, evaluate, graph, runtime
+from surgery.analysis import switchboard as board_graph
+from surgery.analysis.probe import defect_scores
 from surgery.blocks import find_blocks
 from surgery.compensation import KINDS, FitResult
 from surgery.data import Windows
-from surgery.analysis import switchboard as board_graph
-from surgery.analysis.probe import defect_scores
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize

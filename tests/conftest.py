@@ -5,15 +5,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # graphs.make_fixtures (tiny model builders) and tests.reference
+sys.path.insert(0, str(ROOT))  # fixtures.make_fixtures (tiny model builders) and tests.reference
 
-GRAPHS = ROOT / "graphs"
+FIXTURES = ROOT / "fixtures"
 
 
 @pytest.fixture
 def fixture_path():
-    """Path of a committed tiny exported model: fixture_path('llama') -> graphs/tiny-llama."""
-    return lambda family: GRAPHS / f"tiny-{family.replace('_', '-')}"
+    """Path of a committed tiny exported model: fixture_path('llama') -> fixtures/tiny-llama."""
+    return lambda family: FIXTURES / f"tiny-{family.replace('_', '-')}"
 
 
 # SmolLM2 as transformers loaded it (GGUF dequantized, tokenizer converted: 40 of the 60 s an

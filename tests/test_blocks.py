@@ -3,6 +3,7 @@ import onnx_ir as ir
 import pytest
 
 from surgery import graph, runtime
+from surgery.analysis import probe as probe_graph
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
 
@@ -35,7 +36,7 @@ def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_pat
 
     ids = np.random.default_rng(0).integers(0, reference.config.vocab_size, size=(2, 11))
     names = [(b.layer, key, value) for b in blocks for key, value in b.tensors().items()]
-    tapped = graph.tap(model, [value for _, _, value in names])
+    tapped = probe_graph.tap(model, [value for _, _, value in names])
     session = runtime.session(tapped)
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, ids))))
     logits, expected = block_tensors(reference, ids)
@@ -47,11 +48,11 @@ def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_pat
 
 
 def _save_tiny(family, folder):
-    """graphs.make_fixtures' tiny HF folder of `family`, or Phi-3's, built here the same way."""
+    """fixtures.make_fixtures' tiny HF folder of `family`, or Phi-3's, built here the same way."""
     import torch
     import transformers as T
 
-    from graphs.make_fixtures import TOKENIZER, VOCAB, save_tiny
+    from fixtures.make_fixtures import TOKENIZER, VOCAB, save_tiny
 
     if family != "phi3":
         return save_tiny(family, folder)

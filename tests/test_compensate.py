@@ -5,7 +5,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import graph
+from surgery import graph, metadata
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
 from surgery.passes import Fix, compensate, fuse, parallelize
@@ -55,7 +55,7 @@ def test_compensate_is_pure_idempotent_and_keeps_the_op_count(tiny):
     extra = len(once.model.graph) - len(plain.graph)  # one bias Add per block where the mlp had no bias
     has_bias = tiny.torch.config.model_type in ("gpt2", "gpt_neox")
     assert extra == (0 if has_bias else 2)
-    assert graph.history(once.model)[-1]["pass"] == "compensate"
+    assert metadata.history(once.model)[-1]["pass"] == "compensate"
 
 
 def test_gate_fix_is_the_calibrated_block(tiny):

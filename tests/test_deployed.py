@@ -9,11 +9,12 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import canonical, graph, metadata, ops, runtime
+from surgery import canonical, graph, metadata, nodes, ops, runtime
+from surgery.analysis import probe as probe_graph
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.passes import MODES, compensate, fuse, parallelize, project
+from surgery.passes import MODES, ablate, compensate, fuse, parallelize
 from surgery.passes.common import Fix
 
 IDS = np.random.default_rng(2).integers(0, 512, size=(2, 9))
@@ -45,7 +46,7 @@ class Builds:
 
     def hf(self, family):
         pytest.importorskip("torch")
-        from graphs.make_fixtures import save_tiny
+        from fixtures.make_fixtures import save_tiny
 
         tied = family.endswith("-tied")
         make = lambda: save_tiny(family.removesuffix("-tied"), self.root / f"hf-{family}", seed=5, **({"tie_word_embeddings": True} if tied else {}))  # noqa: E731
@@ -57,7 +58,7 @@ class Builds:
         return self._once(("optimum", family), lambda: export(str(self.hf(family)), self.root / f"optimum-{family}").folder)
 
     def variant(self, name):
-        from graphs.deployed import genai_build, ort_optimize
+        from fixtures.deployed import genai_build, ort_optimize
 
         family, tool, option = VARIANTS[name]
         if tool == "genai":
@@ -125,7 +126,7 @@ def test_found_tensors_equal_the_hooked_hf_model(deployed):
     assert [b.form for b in blocks] == ["sequential"] * 3
     assert all(b.mlp_kind == ("plain" if deployed.torch.config.model_type == "gpt2" else "gated") for b in blocks)
     names = [(b.layer, key, value) for b in blocks for key, value in b.tensors().items()]
-    session = runtime.session(exact(graph.tap(deployed.onnx, [v for _, _, v in names])))
+    session = runtime.session(exact(probe_graph.tap(deployed.onnx, [v for _, _, v in names])))
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, IDS))))
     expected_logits, expected = block_tensors(deployed.torch, IDS)
     np.testing.assert_allclose(got["logits"], expected_logits, rtol=TOL, atol=TOL)
@@ -138,7 +139,7 @@ def test_found_tensors_equal_the_hooked_hf_model(deployed):
         present = {v.name for n in raw.graph for v in n.outputs}
         exposed = [v for _, _, v in names if v in present]
         assert len(exposed) == len(names) - 1  # the last block's resid_post is a sum the final norm keeps to itself
-        own = runtime.session(exact(graph.tap(raw, exposed)))
+        own = runtime.session(exact(probe_graph.tap(raw, exposed)))
         values = dict(zip([o.name for o in own.get_outputs()], own.run(None, runtime.feeds(own, IDS))))
         for name in exposed:
             np.testing.assert_allclose(got[name], values[name], rtol=1e-5, atol=1e-5, err_msg=name)
@@ -160,7 +161,7 @@ def test_project_matches_the_hooked_hf_model(deployed, branch, mode):
     from tests.reference import edited_logits
 
     scale = 0.5 if mode == "scale" else None
-    result = project(deployed.onnx, branch, mode, {0, 1, 2}, scale)
+    result = ablate(deployed.onnx, branch, mode, {0, 1, 2}, scale)
     expected = edited_logits(deployed.torch, IDS, branch_edits=[(branch, mode, {0, 1, 2}, scale)])
     np.testing.assert_allclose(logits(exact(result.model)), expected, rtol=TOL, atol=TOL)
 
@@ -183,7 +184,7 @@ def test_written_rewrites_keep_the_input_s_fused_ops(deployed, tmp_path):
     """Saved, a rewrite holds the same fused ops as its input (a parallel block's two norms stay two
     Skip norms) and nothing of the split form; loaded again it is the same rewrite."""
     model = parallelize(deployed.onnx, {1}).model
-    model = project(model, "mlp", "tangential", {0, 1, 2}).model
+    model = ablate(model, "mlp", "tangential", {0, 1, 2}).model
     out = graph.write(model, tmp_path / "out", deployed.folder)
     assert contrib_ops(out) == contrib_ops(deployed.folder)
     written = ir.load(out)
@@ -221,11 +222,11 @@ def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):
     """The optimizer fuses an Add into the one norm after it only: a parallel block's ln2 reads its own copy
     of resid_pre, so both of its norms still fuse."""
     pytest.importorskip("torch")  # optimize_model imports it
-    from graphs.deployed import ort_optimize
-    from tests.conftest import GRAPHS
+    from fixtures.deployed import ort_optimize
+    from tests.conftest import FIXTURES
 
-    rewritten = graph.write(parallelize(graph.load(GRAPHS / "tiny-llama"), {1, 2}).model, tmp_path / "par", GRAPHS / "tiny-llama")
-    original = ort_optimize(GRAPHS / "tiny-llama", tmp_path / "opt", level=1)
+    rewritten = graph.write(parallelize(graph.load(FIXTURES / "tiny-llama"), {1, 2}).model, tmp_path / "par", FIXTURES / "tiny-llama")
+    original = ort_optimize(FIXTURES / "tiny-llama", tmp_path / "opt", level=1)
     optimized = ort_optimize(rewritten.parent, tmp_path / "par-opt", level=1)
     assert contrib_ops(optimized)["SkipSimplifiedLayerNormalization"] == contrib_ops(original)["SkipSimplifiedLayerNormalization"] == 6
     assert [b.form for b in find_blocks(graph.load(optimized))] == ["sequential", "parallel", "parallel"]
@@ -237,7 +238,7 @@ def test_rewritten_genai_folder_generates_in_onnxruntime_genai(builds, tmp_path)
     built = builds.variant("genai-fp32")
     from transformers import AutoModelForCausalLM
 
-    from graphs.deployed import genai_greedy
+    from fixtures.deployed import genai_greedy
     from tests.reference import greedy
 
     result = CliRunner().invoke(app, ["parallelize", str(built), "--layers", "0,2", "-o", str(tmp_path / "out")])
@@ -253,11 +254,11 @@ def test_rewritten_genai_folder_generates_in_onnxruntime_genai(builds, tmp_path)
 
 def test_an_op_the_table_does_not_know_is_one_line(tmp_path):
     """A block holding an op outside the standard domain that surgery's op table does not describe."""
-    from tests.conftest import GRAPHS
+    from tests.conftest import FIXTURES
 
-    model = ir.load(GRAPHS / "tiny-llama" / "model.onnx")
-    block = find_blocks(graph.load(GRAPHS / "tiny-llama"))[1]
-    values = graph.values_by_name(model)
+    model = ir.load(FIXTURES / "tiny-llama" / "model.onnx")
+    block = find_blocks(graph.load(FIXTURES / "tiny-llama"))[1]
+    values = nodes.values_by_name(model)
     down = values[block.mlp_out].producer()  # the down projection; its input is act(gate) * up
     gated = down.inputs[0].producer()
     gated.domain, gated.op_type = "example.custom", "GatedMul"

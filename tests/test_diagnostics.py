@@ -6,15 +6,15 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery import data, evaluate, graph, runtime
-from surgery.blocks import find_blocks
-from surgery.cli import app
 from surgery.analysis import field as field_graph
 from surgery.analysis import probe as probe_graph
 from surgery.analysis import resumable as resumable_graph
+from surgery.blocks import find_blocks
+from surgery.cli import app
 from surgery.diagnostics import diagnose, prefix
-from surgery.passes.project import KEEP_SINK
 from surgery.diagnostics.diagnose import _switch_losses
-from surgery.passes import parallelize, project
+from surgery.passes import ablate, parallelize
+from surgery.passes.ablate import KEEP_SINK
 
 runner = CliRunner()
 
@@ -49,7 +49,7 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tmp_path):
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from graphs.make_fixtures import save_tiny
+    from fixtures.make_fixtures import save_tiny
     from surgery.export import export
     from tests.reference import block_tensors
 
@@ -99,16 +99,16 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
         assert (report["defect"]["kl_parallel"][layer], report["defect"]["top1_parallel"][layer]) == kl(parallelize(model, {layer}).model)
         for branch in ("mlp", "attn"):
             got = report["ablation"]["per_layer"][branch]["radial"][layer]
-            expected = evaluate.perplexity(project(model, branch, "radial", {layer}).model, windows).loss - base
+            expected = evaluate.perplexity(ablate(model, branch, "radial", {layer}).model, windows).loss - base
             assert got == pytest.approx(expected, abs=1e-5)
             got = report["ablation"]["per_layer_kl"][branch]["radial"][layer], report["ablation"]["per_layer_top1"][branch]["radial"][layer]
-            assert got == kl(project(model, branch, "radial", {layer}).model)
-    expected = evaluate.perplexity(project(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
+            assert got == kl(ablate(model, branch, "radial", {layer}).model)
+    expected = evaluate.perplexity(ablate(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
     assert report["ablation"]["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
-    assert report["ablation"]["all_layers_kl"]["mlp"]["tangential"] == kl(project(model, "mlp", "tangential", {0, 1, 2}).model)[0]
+    assert report["ablation"]["all_layers_kl"]["mlp"]["tangential"] == kl(ablate(model, "mlp", "tangential", {0, 1, 2}).model)[0]
     assert -1 <= report["defect"]["spearman_kl"]["c_stream"] <= 1
     for branch, mode in (("mlp", "tangential"), ("attn", "radial")):  # the sink-kept column: position 0 keeps its output
-        kept = evaluate.perplexity(project(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
+        kept = evaluate.perplexity(ablate(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
         assert report["ablation"]["all_layers_keep_sink"][branch][mode] == pytest.approx(kept, abs=1e-5)
 
     # each dNLL has its 95 % paired bootstrap interval beside it, the one delta() gives for separately scored graphs
@@ -123,8 +123,8 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
         assert low - 1e-12 <= dnll <= high + 1e-12 and low < high
     scored = evaluate.perplexity(model, windows)
     for got, rewritten in [(report["defect"]["dnll_parallel_interval"][1], parallelize(model, {1}).model),
-                           (report["ablation"]["per_layer_interval"]["attn"]["radial"][1], project(model, "attn", "radial", {1}).model),
-                           (report["ablation"]["all_layers_interval"]["mlp"]["tangential"], project(model, "mlp", "tangential", {0, 1, 2}).model)]:
+                           (report["ablation"]["per_layer_interval"]["attn"]["radial"][1], ablate(model, "attn", "radial", {1}).model),
+                           (report["ablation"]["all_layers_interval"]["mlp"]["tangential"], ablate(model, "mlp", "tangential", {0, 1, 2}).model)]:
         d = evaluate.delta(scored, evaluate.perplexity(rewritten, windows))
         assert got == pytest.approx([d.low, d.high], abs=1e-5)
 
@@ -141,7 +141,7 @@ def test_losses_resumed_after_unchanged_blocks_equal_whole_forward_passes(fixtur
     path = fixture_path(family)
     model = graph.load(path)
     blocks = find_blocks(model)
-    kinds = [("parallelize",), ("project", "mlp", "radial"), ("project", "attn", "remove"), ("project", "attn", "tangential", KEEP_SINK)]
+    kinds = [("parallelize",), ("ablate", "mlp", "radial"), ("ablate", "attn", "remove"), ("ablate", "attn", "tangential", KEEP_SINK)]
     windows = data.windows(path, seq_len=32, max_windows=2, part="evaluation")
 
     def losses():
@@ -150,7 +150,7 @@ def test_losses_resumed_after_unchanged_blocks_equal_whole_forward_passes(fixtur
     resumed = losses()
     monkeypatch.setattr(resumable_graph, "resumable", lambda board, blocks: None)  # no block skippable: every run a whole forward
     whole = losses()
-    assert set(whole[("project", "mlp", "radial")]) == {0, 1, 2, "all"}  # the first and the last block's edits among them
+    assert set(whole[("ablate", "mlp", "radial")]) == {0, 1, 2, "all"}  # the first and the last block's edits among them
     np.testing.assert_allclose(_losses(resumed, kinds), _losses(whole, kinds), rtol=1e-6)
 
 
@@ -183,7 +183,7 @@ def test_field_graph_is_the_torch_mlp_of_ln2(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from graphs.make_fixtures import save_tiny
+    from fixtures.make_fixtures import save_tiny
     from surgery.export import export
 
     hf = save_tiny("llama", tmp_path / "hf", seed=4)

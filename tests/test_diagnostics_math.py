@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from surgery.defect import DefectStats
-from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
+from surgery.diagnostics.rank import spearman
 
 
 def test_alignment_and_diversity_on_hand_made_vectors():
@@ -53,8 +53,8 @@ def test_in_graph_statistics_equal_the_numpy_geometry(tokens):
     import onnx_ir as ir
 
     from surgery import runtime
-    from surgery.diagnostics import stats
     from surgery.defect import DefectStats
+    from surgery.diagnostics import stats
     from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
 
     rng = np.random.default_rng(4)

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from surgery import data, evaluate, graph, runtime
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.passes import project
+from surgery.passes import ablate
 
 runner = CliRunner()
 
@@ -40,7 +40,7 @@ def test_perplexity_equals_the_hf_torch_model(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from graphs.make_fixtures import save_tiny
+    from fixtures.make_fixtures import save_tiny
     from surgery.export import export
 
     hf = save_tiny("qwen2", tmp_path / "hf", seed=2)
@@ -106,7 +106,7 @@ def test_latency_reports_every_graph(fixture_path):
 def test_evaluate_command_compares_with_the_first_model(tmp_path, fixture_path):
     src = fixture_path("llama")
     ablated = tmp_path / "ablated"
-    graph.write(project(graph.load(src), "mlp", "remove", {0, 1, 2}).model, ablated, like=src)
+    graph.write(ablate(graph.load(src), "mlp", "remove", {0, 1, 2}).model, ablated, like=src)
     args = ["evaluate", str(src), str(ablated), "--seq-len", "32", "--max-windows", "3", "--repeats", "2", "--warmup", "1", "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -165,7 +165,7 @@ def test_cpu_machine_prints_no_cuda_errors(fixture_path):
 
 def test_graph_without_kv_cache_gets_prefill_only(tmp_path):
     pytest.importorskip("torch")
-    from graphs.make_fixtures import save_tiny
+    from fixtures.make_fixtures import save_tiny
     from surgery.export import export
 
     folder = export(str(save_tiny("llama", tmp_path / "hf")), tmp_path / "onnx", past=False).folder
@@ -184,7 +184,7 @@ def test_kl_and_top1_agreement_equal_numpy_on_the_raw_logits(fixture_path, famil
     folder = fixture_path(family)
     w = data.windows(folder, seq_len=40, stride=30, max_windows=5)
     rewritten = tmp_path / "mlp-scaled.onnx"
-    graph.save(project(graph.load(folder), "attn", "scale", [0, 1], scale=3.0).model, rewritten)
+    graph.save(ablate(graph.load(folder), "attn", "scale", [0, 1], scale=3.0).model, rewritten)
     base, same, other = evaluate.compare([folder, folder, rewritten], w)  # batch 1, as the NumPy side runs
     expected = numpy_divergence(folder, rewritten, w)
     got = evaluate.divergence(other)

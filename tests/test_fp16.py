@@ -16,11 +16,11 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import evaluate, graph, runtime, select
+from surgery import evaluate, facts, graph, runtime, select
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.export import export
-from surgery.passes import compensate, fuse, parallelize, project
+from surgery.passes import ablate, compensate, fuse, parallelize
 from surgery.passes.common import Fix
 
 torch = pytest.importorskip("torch")
@@ -36,7 +36,7 @@ class Pair:
     """A tiny random model exported twice, fp32 and (by the CLI) fp16."""
 
     def __init__(self, folder, family="llama"):
-        from graphs.make_fixtures import save_tiny
+        from fixtures.make_fixtures import save_tiny
 
         hf = save_tiny(family, folder / "hf", seed=5)
         self.fp32, self.fp16 = export(str(hf), folder / "fp32").folder, folder / "fp16"
@@ -110,7 +110,7 @@ def test_fp16_export_is_float16_throughout_and_runs_in_optimum(pair):
     assert "with KV cache, float16" in pair.cli.stdout
     assert json.loads((pair.fp16 / "config.json").read_text())["dtype"] == "float16"
     floats = {v.const_value.dtype for v in model.graph.initializers.values() if v.const_value.dtype.is_floating_point()}
-    assert floats == {ir.DataType.FLOAT16} and graph.stream_dtype(model) == ir.DataType.FLOAT16
+    assert floats == {ir.DataType.FLOAT16} and facts.stream_dtype(model) == ir.DataType.FLOAT16
     io = {v.name: v.dtype for v in [*model.graph.inputs, *model.graph.outputs]}
     assert io["logits"] == ir.DataType.FLOAT16
     kv = [name for name in io if name.startswith(("past_key_values.", "present."))]
@@ -144,7 +144,7 @@ ABLATIONS = {  # every mode of both branches, in two rewrites: (branch, mode, la
 
 def ablated(model, edits):
     for branch, mode, layers, scale in edits:
-        model = project(model, branch, mode, layers, scale).model
+        model = ablate(model, branch, mode, layers, scale).model
     return model
 
 
@@ -153,7 +153,7 @@ REWRITES = {
     "fuse": lambda m: fuse(m, {0, 2}).model,
     "fuse-compensated": lambda m: fuse(m, {0, 2}, FIXES).model,
     "compensate": lambda m: compensate(m, FIXES).model,
-    "parallel-then-mlp-tangential": lambda m: project(parallelize(m, {0, 2}).model, "mlp", "tangential", {0, 1, 2}).model,
+    "parallel-then-mlp-tangential": lambda m: ablate(parallelize(m, {0, 2}).model, "mlp", "tangential", {0, 1, 2}).model,
     **{name: (lambda m, edits=edits: ablated(m, edits)) for name, edits in ABLATIONS.items()},
 }
 
@@ -173,7 +173,7 @@ def test_projections_of_a_large_fp16_stream_stay_finite(mode):
     as a GPU's fp16 kernels do (ORT's CPU provider would widen these ops itself)."""
     from onnx.reference import ReferenceEvaluator
 
-    from surgery.passes.project import edit_nodes
+    from surgery.passes.ablate import edit_nodes
 
     rng = np.random.default_rng(0)
     ref = (rng.standard_normal((1, 4, 576)) * np.array([2.5e4] + [30.0] * 575)).astype(np.float16)
@@ -234,10 +234,10 @@ def test_smollm2_fp16_rewrite_loses_what_the_fp32_rewrite_loses(smollm2, smollm2
     from surgery import data
 
     m32, m16 = graph.load(smollm2), graph.load(smollm2_fp16)
-    assert graph.stream_dtype(m16) == ir.DataType.FLOAT16
+    assert facts.stream_dtype(m16) == ir.DataType.FLOAT16
 
     def rewrite(m):
-        return project(parallelize(m, {5, 22, 25}).model, "mlp", "tangential", {5, 22, 25}).model
+        return ablate(parallelize(m, {5, 22, 25}).model, "mlp", "tangential", {5, 22, 25}).model
 
     rewritten = rewrite(m16)
     assert_keeps_float16(m16, rewritten)

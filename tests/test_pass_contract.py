@@ -8,14 +8,13 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import graph, runtime
+from surgery import graph, metadata, runtime
 from surgery.analysis import switchboard as board_graph
 from surgery.blocks import find_blocks
 from surgery.cli import app
-from surgery.graph import values_by_name
 from surgery.metadata import tag
-from surgery.nodes import Emitter
-from surgery.passes import PASSES, Change, Pass, SurgeryResult, project
+from surgery.nodes import Emitter, values_by_name
+from surgery.passes import PASSES, Change, Pass, SurgeryResult, ablate
 from surgery.passes.common import check_layers, float_dtype, node_name, record
 
 # ---- the pass module: surgery/passes/scale_attn.py would hold exactly this ----
@@ -72,7 +71,7 @@ def test_a_pass_defined_outside_surgery_is_switchable_and_written(registered, fi
     model = graph.load(path)
     ids = np.random.default_rng(0).integers(0, 512, size=(1, 12))
     written = PASSES[NAME].apply(model, [1], factor=0.5).model
-    expected = _logits(project(model, "attn", "scale", [1], scale=0.5).model, ids)  # the built-in pass, checked against HF hooks
+    expected = _logits(ablate(model, "attn", "scale", [1], scale=0.5).model, ids)  # the built-in pass, checked against HF hooks
     np.testing.assert_allclose(_logits(written, ids), expected, rtol=1e-5, atol=1e-5)
     assert np.abs(expected - _logits(model, ids)).max() > 1e-3  # the edit changes the logits: the comparison can fail
 
@@ -85,7 +84,7 @@ def test_a_pass_defined_outside_surgery_is_switchable_and_written(registered, fi
 
     out = tmp_path / "scaled.onnx"
     graph.save(written, out)
-    assert graph.history(graph.load(out))[-1] == {**graph.history(written)[-1], "pass": NAME, "layers": [1]}
+    assert metadata.history(graph.load(out))[-1] == {**metadata.history(written)[-1], "pass": NAME, "layers": [1]}
     shown = json.loads(CliRunner().invoke(app, ["inspect", str(out), "--json"]).stdout)
     assert NAME in json.dumps(shown)
 

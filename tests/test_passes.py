@@ -2,10 +2,11 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import graph, runtime
+from surgery import facts, graph, metadata, runtime
+from surgery.analysis import probe as probe_graph
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
-from surgery.passes import MODES, parallelize, project
+from surgery.passes import MODES, ablate, parallelize
 
 torch = pytest.importorskip("torch")
 from tests.reference import edited_logits  # noqa: E402
@@ -21,7 +22,7 @@ class Exported:
     def __init__(self, family, folder, exporter="optimum"):
         from transformers import AutoModelForCausalLM
 
-        from graphs.make_fixtures import save_tiny
+        from fixtures.make_fixtures import save_tiny
         from surgery.export import export
 
         hf = save_tiny(family, folder / "hf", seed=5)
@@ -61,7 +62,7 @@ def test_parallelize_matches_the_hooked_hf_model(tiny, layers):
 @pytest.mark.parametrize("branch", ["mlp", "attn"])
 def test_project_matches_the_hooked_hf_model(tiny, branch, mode, layers):
     scale = 0.5 if mode == "scale" else None
-    result = project(tiny.onnx, branch, mode, layers, scale)
+    result = ablate(tiny.onnx, branch, mode, layers, scale)
     expected = tiny.reference(branch_edits=[(branch, mode, layers, scale)])
     np.testing.assert_allclose(logits(result.model), expected, rtol=1e-4, atol=1e-4)
     assert result.changed_layers == tuple(sorted(layers))
@@ -70,17 +71,17 @@ def test_project_matches_the_hooked_hf_model(tiny, branch, mode, layers):
 @pytest.mark.parametrize("mode", ["tangential", "radial", "remove"])
 @pytest.mark.parametrize("branch", ["mlp", "attn"])
 def test_keep_sink_matches_the_hooked_hf_model_that_skips_position_0(tiny, branch, mode):
-    kept = project(tiny.onnx, branch, mode, {0, 1, 2}, keep_sink=True).model
+    kept = ablate(tiny.onnx, branch, mode, {0, 1, 2}, keep_sink=True).model
     expected = edited_logits(tiny.torch, IDS, branch_edits=[(branch, mode, {0, 1, 2}, None)], keep_sink=True)
     np.testing.assert_allclose(logits(kept), expected, rtol=1e-4, atol=1e-4)
-    everywhere = logits(project(tiny.onnx, branch, mode, {0, 1, 2}).model)
+    everywhere = logits(ablate(tiny.onnx, branch, mode, {0, 1, 2}).model)
     assert np.abs(everywhere - expected).max() > 1e-3  # position 0 really kept its output
-    assert project(kept, branch, mode, {0, 1, 2}, keep_sink=True).changed_layers == ()
+    assert ablate(kept, branch, mode, {0, 1, 2}, keep_sink=True).changed_layers == ()
 
 
 def test_keep_sink_in_a_kv_cache_decode_ablates_every_new_token(tiny):
     """After a cache, no token is at position 0: the decode step equals the full keep-sink pass's last token."""
-    model = project(tiny.onnx, "mlp", "tangential", {0, 1, 2}, keep_sink=True).model
+    model = ablate(tiny.onnx, "mlp", "tangential", {0, 1, 2}, keep_sink=True).model
     session = runtime.session(model)
     full = session.run(["logits"], runtime.feeds(session, IDS))[0]
     prefill = session.run(None, runtime.feeds(session, IDS[:, :-1]))
@@ -93,9 +94,9 @@ def test_passes_compose_like_hooks(tiny):
     edits = [("mlp", "tangential", {0, 1, 2}, None), ("attn", "scale", {1}, 0.25)]
     model = parallelize(tiny.onnx, {0, 2}).model
     for branch, mode, layers, scale in edits:
-        model = project(model, branch, mode, layers, scale).model
+        model = ablate(model, branch, mode, layers, scale).model
     np.testing.assert_allclose(logits(model), tiny.reference({0, 2}, edits), rtol=1e-4, atol=1e-4)
-    assert [h["pass"] for h in graph.history(model)] == ["parallelize", "project", "project"][
+    assert [h["pass"] for h in metadata.history(model)] == ["parallelize", "ablate", "ablate"][
         1 if tiny.torch.config.to_dict().get("use_parallel_residual") else 0 :
     ]
 
@@ -108,9 +109,9 @@ def _proto(model: ir.Model) -> bytes:
     "apply",
     [
         lambda m, layers: parallelize(m, layers),
-        lambda m, layers: project(m, "mlp", "tangential", layers),
-        lambda m, layers: project(m, "attn", "scale", layers, 0.5),
-        lambda m, layers: project(m, "mlp", "remove", layers),
+        lambda m, layers: ablate(m, "mlp", "tangential", layers),
+        lambda m, layers: ablate(m, "attn", "scale", layers, 0.5),
+        lambda m, layers: ablate(m, "mlp", "remove", layers),
     ],
     ids=["parallelize", "mlp-tangential", "attn-scale", "mlp-remove"],
 )
@@ -119,7 +120,7 @@ def test_pure_idempotent_and_empty_is_identity(tiny, apply):
     original = logits(tiny.onnx)
 
     empty = apply(tiny.onnx, set())
-    assert empty.changes == () and graph.history(empty.model) == []
+    assert empty.changes == () and metadata.history(empty.model) == []
     np.testing.assert_array_equal(logits(empty.model), original)  # bit-identical
 
     once = apply(tiny.onnx, {0, 2})
@@ -131,22 +132,22 @@ def test_pure_idempotent_and_empty_is_identity(tiny, apply):
 
 
 def test_new_nodes_are_named_and_tagged(tiny):
-    model = project(tiny.onnx, "mlp", "radial", {1}).model
-    new = [n for n in model.graph if n.name.startswith("surgery/project/blocks.1/")]
-    assert new and all(n.metadata_props["surgery.pass"] == "project" for n in new)
+    model = ablate(tiny.onnx, "mlp", "radial", {1}).model
+    new = [n for n in model.graph if n.name.startswith("surgery/ablate/blocks.1/")]
+    assert new and all(n.metadata_props["surgery.pass"] == "ablate" for n in new)
     assert all(n.metadata_props["surgery.layer"] == "1" for n in new)
-    assert find_blocks(model)[1].mlp_out == "surgery/project/blocks.1/mlp_out_radial"
-    entry = graph.history(model)[-1]
-    assert entry["pass"] == "project" and entry["layers"] == [1] and entry["options"]["mode"] == "radial"
+    assert find_blocks(model)[1].mlp_out == "surgery/ablate/blocks.1/mlp_out_radial"
+    entry = metadata.history(model)[-1]
+    assert entry["pass"] == "ablate" and entry["layers"] == [1] and entry["options"]["mode"] == "radial"
 
 
 def test_dynamo_graphs_take_the_same_passes(tmp_path):
     tiny = Exported("llama", tmp_path, exporter="dynamo")
-    model = project(parallelize(tiny.onnx, {1}).model, "mlp", "tangential", {0, 2}).model
+    model = ablate(parallelize(tiny.onnx, {1}).model, "mlp", "tangential", {0, 2}).model
     expected = tiny.reference({1}, [("mlp", "tangential", {0, 2}, None)])
     np.testing.assert_allclose(logits(model), expected, rtol=1e-4, atol=1e-4)
     assert "position_ids" not in {v.name for v in tiny.onnx.graph.inputs}  # position 0 is then token 0
-    kept = project(tiny.onnx, "attn", "radial", {0, 1, 2}, keep_sink=True).model
+    kept = ablate(tiny.onnx, "attn", "radial", {0, 1, 2}, keep_sink=True).model
     expected = edited_logits(tiny.torch, IDS, branch_edits=[("attn", "radial", {0, 1, 2}, None)], keep_sink=True)
     np.testing.assert_allclose(logits(kept), expected, rtol=1e-4, atol=1e-4)
 
@@ -157,7 +158,7 @@ def test_rewritten_kv_cache_folder_generates_like_the_hooked_model(tmp_path):
     from tests.reference import Edits
 
     tiny = Exported("llama", tmp_path)
-    model = project(parallelize(tiny.onnx, {0, 2}).model, "mlp", "tangential", {1}).model
+    model = ablate(parallelize(tiny.onnx, {0, 2}).model, "mlp", "tangential", {1}).model
     out = graph.write(model, tmp_path / "rewritten", like=tiny.folder)
     prompt = torch.from_numpy(IDS[:1, :5])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -170,9 +171,9 @@ def test_rewritten_kv_cache_folder_generates_like_the_hooked_model(tmp_path):
 def test_bad_pass_options_are_one_clear_error(fixture_path):
     model = graph.load(fixture_path("llama"))
     with pytest.raises(SurgeryError, match="needs a factor"):
-        project(model, "mlp", "scale", {0})
+        ablate(model, "mlp", "scale", {0})
     with pytest.raises(SurgeryError, match="unknown branch"):
-        project(model, "ffn", "radial", {0})
+        ablate(model, "ffn", "radial", {0})
     with pytest.raises(SurgeryError, match="out of range"):
         parallelize(model, {3})
 
@@ -216,9 +217,9 @@ def test_fuse_refuses_an_rmsnorm_whose_epsilon_it_cannot_read(fixture_path):
 
 def test_the_stream_dtype_comes_from_the_graph_or_the_tap_fails(fixture_path):
     model = graph.load(fixture_path("llama"))
-    assert graph.stream_dtype(model) == ir.DataType.FLOAT
+    assert facts.stream_dtype(model) == ir.DataType.FLOAT
     untyped = next(v.name for n in model.graph for v in n.outputs if v.dtype is None)
     table = next(n for n in model.graph if n.op_type == "Gather" and n.inputs[0].is_initializer())
     table.inputs[0].dtype = None  # nothing in the graph says what the stream is any more
     with pytest.raises(SurgeryError, match="cannot tell the residual stream's float type"):
-        graph.tap(model, [untyped])
+        probe_graph.tap(model, [untyped])

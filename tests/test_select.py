@@ -9,7 +9,7 @@ from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.passes import Fix, fuse, parallelize, project
+from surgery.passes import Fix, ablate, fuse, parallelize
 from surgery.select import Budget, _forms, rewrite, select_layers
 
 runner = CliRunner()
@@ -104,8 +104,8 @@ def test_fused_blocks_refuse_ablation_and_diagnosis(fixture_path, tmp_path):
 
     model = fuse(graph.load(fixture_path("llama")), {1}).model
     with pytest.raises(SurgeryError, match="block 1 is fused"):
-        project(model, "mlp", "radial", {1})
-    assert project(model, "mlp", "radial", {0}).changed_layers == (0,)  # other blocks still can
+        ablate(model, "mlp", "radial", {1})
+    assert ablate(model, "mlp", "radial", {0}).changed_layers == (0,)  # other blocks still can
     written = graph.write(model, tmp_path / "fused", like=fixture_path("llama"))
     with pytest.raises(SurgeryError, match="has fused blocks"):
         diagnose(written.parent, seq_len=32, windows=1)

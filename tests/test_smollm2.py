@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery import graph, runtime
+from surgery.analysis import probe as probe_graph
 from surgery.blocks import find_blocks
 from surgery.cli import app
 
@@ -53,7 +54,7 @@ def test_found_tensors_equal_the_hooked_torch_model(smollm2, reference):
     model = graph.load(smollm2)
     blocks = find_blocks(model)
     names = [(b.layer, key, value) for b in blocks for key, value in b.tensors().items()]
-    session = runtime.session(graph.tap(model, [v for _, _, v in names]))
+    session = runtime.session(probe_graph.tap(model, [v for _, _, v in names]))
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, ids))))
 
     logits, expected = block_tensors(reference, ids)
@@ -67,7 +68,7 @@ def test_passes_match_the_hooked_torch_model(smollm2, reference):
     from tokenizers import Tokenizer
 
     from surgery.data import default_corpus
-    from surgery.passes import parallelize, project
+    from surgery.passes import ablate, parallelize
     from tests.reference import edited_logits
 
     tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
@@ -75,7 +76,7 @@ def test_passes_match_the_hooked_torch_model(smollm2, reference):
     model = graph.load(smollm2)
     for rewritten, parallel, edits in [
         (parallelize(model, {5, 22, 25}).model, {5, 22, 25}, []),
-        (project(model, "mlp", "tangential", range(30)).model, set(), [("mlp", "tangential", set(range(30)), None)]),
+        (ablate(model, "mlp", "tangential", range(30)).model, set(), [("mlp", "tangential", set(range(30)), None)]),
     ]:
         session = runtime.session(rewritten)
         got = session.run(["logits"], runtime.feeds(session, ids))[0]
@@ -124,7 +125,7 @@ def genai(smollm2, reference, tmp_path_factory):
     import shutil
 
     pytest.importorskip("onnxruntime_genai")
-    from graphs.deployed import genai_build
+    from fixtures.deployed import genai_build
 
     folder = tmp_path_factory.mktemp("smollm2-genai")
     reference.save_pretrained(folder / "hf")
@@ -136,7 +137,7 @@ def genai(smollm2, reference, tmp_path_factory):
 
 def test_genai_builder_graph_measures_like_the_optimum_export(smollm2, genai):
     from surgery import data, evaluate
-    from surgery.passes import parallelize, project
+    from surgery.passes import ablate, parallelize
 
     assert [b.form for b in find_blocks(graph.load(genai))] == ["sequential"] * 30
     windows = data.windows(smollm2, seq_len=128, max_windows=2)
@@ -146,7 +147,7 @@ def test_genai_builder_graph_measures_like_the_optimum_export(smollm2, genai):
         base = evaluate.perplexity(model, windows).loss
         losses[name] = (
             base,
-            evaluate.perplexity(project(model, "mlp", "tangential", range(30)).model, windows).loss - base,
+            evaluate.perplexity(ablate(model, "mlp", "tangential", range(30)).model, windows).loss - base,
             evaluate.perplexity(parallelize(model, {5, 22, 25}).model, windows).loss - base,
         )
     assert abs(losses["genai"][0] - losses["optimum"][0]) < 1e-4
@@ -159,7 +160,7 @@ def test_rewritten_genai_folder_generates_like_the_hooked_torch_model(smollm2, g
     HF's with the same blocks made parallel by hooks (token ids fed: og.Tokenizer mis-encodes this tokenizer)."""
     from tokenizers import Tokenizer
 
-    from graphs.deployed import genai_greedy
+    from fixtures.deployed import genai_greedy
     from surgery.data import default_corpus
     from tests.reference import greedy
 

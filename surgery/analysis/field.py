@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from surgery import graph, nodes
+from surgery import nodes
 from surgery.blocks import BlockMap, branch_nodes
+from surgery.facts import stream_dtype
 
 FIELD_IN, FIELD_OUT = "surgery_z", "surgery_field"
 
@@ -18,7 +19,7 @@ def field(model: ir.Model, block: BlockMap) -> ir.Model:
     branch = branch_nodes(model, block, "mlp")
     values = {v.name: v for node in branch for v in (*node.inputs, *node.outputs) if v is not None}
     prefix = f"surgery/field/blocks.{block.layer}"
-    z = ir.Value(name=FIELD_IN, type=ir.TensorType(graph.stream_dtype(model)), shape=ir.Shape(["batch", "pos", "d_model"]))
+    z = ir.Value(name=FIELD_IN, type=ir.TensorType(stream_dtype(model)), shape=ir.Shape(["batch", "pos", "d_model"]))
     mapping = {values[block.mlp_in]: z}
     inputs, initializers, copies = [z], [], []
     for node in model.graph:  # graph order is topological: every producer is copied before its users

@@ -5,12 +5,15 @@ defect of all layers comes from one forward pass."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from surgery import defect, graph, nodes, runtime
+from surgery import defect, nodes, runtime
 from surgery.blocks import branch_nodes, find_blocks
-from surgery.graph import values_by_name
+from surgery.errors import SurgeryError
+from surgery.facts import stream_dtype
+from surgery.nodes import values_by_name
 
 TENSORS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 
@@ -37,8 +40,27 @@ def probe(model: ir.Model, tensors=TENSORS, twin: bool = True) -> Probe:
             names["mlp_out_on_pre"] = mapping[values[block.mlp_out]].name
         outputs.append(names)
     model.graph.sort()
-    tapped = graph.tap(model, [name for names in outputs for name in names.values()])
+    tapped = tap(model, [name for names in outputs for name in names.values()])
     return Probe(tapped, tuple(outputs))
+
+
+def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
+    """A copy of `model` that also outputs the named values (weights shared, not copied)."""
+    model = model.clone()
+    values = values_by_name(model)
+    present = {v.name for v in model.graph.outputs}
+    dtype = None
+    for name in names:
+        if name in present:
+            continue
+        value = values.get(name)
+        if value is None:
+            raise SurgeryError(f"the graph has no value named {name!r}; check the name with `surgery inspect`")
+        if value.dtype is None:  # optimum leaves intermediate values untyped
+            value.dtype = dtype = dtype or stream_dtype(model)
+        model.graph.outputs.append(value)
+        present.add(name)
+    return model
 
 
 def twin_branch(g: ir.Graph, branch: set[ir.Node], mapping: dict[ir.Value, ir.Value], prefix: str) -> dict[ir.Value, ir.Value]:

@@ -10,10 +10,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import graph
 from surgery.blocks import BlockMap
-from surgery.graph import values_by_name
-from surgery.nodes import Emitter, if_else
+from surgery.facts import stream_dtype
+from surgery.nodes import Emitter, if_else, values_by_name
 
 START, RESUME = "surgery_start", "surgery_resid_pre"
 
@@ -56,7 +55,7 @@ def resumable(model: ir.Model, blocks: list[BlockMap]) -> Resumable | None:
     g.outputs.extend(logits)
     RemoveUnusedNodesPass()(model)
     values = values_by_name(model)
-    dtype = graph.stream_dtype(model)
+    dtype = stream_dtype(model)
     start = ir.Value(name=START, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     resume = ir.Value(name=RESUME, type=ir.TensorType(dtype), shape=ir.Shape(["batch", "pos", "d_model"]))
     g.inputs.extend([start, resume])

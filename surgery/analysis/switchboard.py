@@ -1,8 +1,8 @@
 """The switchboard: one graph whose input `surgery_switches` [kinds, n_layers] turns, per layer and at run
 time, a pass on (> 0.5) or off, so that one session measures every single-layer rewrite, or any set of them.
 
-A kind is (pass name, *arguments): ("parallelize",), ("compensate",), ("project", "mlp", "tangential"),
-("project", "attn", "remove", "keep-sink"). The switchboard builds nothing itself: each kind's pass builds its
+A kind is (pass name, *arguments): ("parallelize",), ("compensate",), ("ablate", "mlp", "tangential"),
+("ablate", "attn", "remove", "keep-sink"). The switchboard builds nothing itself: each kind's pass builds its
 own switch (Pass.switch) with the Board, so the rewrite a session measures is the one the pass writes. A
 switch chooses exactly, with a Where, or with an If that computes a branch edit only while it is on (lazy).
 
@@ -21,8 +21,7 @@ import onnx_ir as ir
 from surgery import nodes
 from surgery.blocks import BlockMap, find_blocks
 from surgery.errors import SurgeryError
-from surgery.graph import values_by_name
-from surgery.nodes import Emitter
+from surgery.nodes import Emitter, values_by_name
 from surgery.passes import PASSES
 from surgery.passes.common import Fix, float_dtype
 

@@ -17,16 +17,16 @@ import numpy as np
 
 from surgery import __version__, cluster, data, evaluate, graph, runtime
 from surgery.analysis import field, probe, resumable, switchboard
-from surgery.defect import DefectStats
-from surgery.passes.project import KEEP_SINK
 from surgery.blocks import find_blocks
+from surgery.defect import DefectStats
 from surgery.diagnostics import critical as crit
 from surgery.diagnostics import prefix, stats
-from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.geometry import unit
+from surgery.diagnostics.rank import spearman
 from surgery.errors import SurgeryError
+from surgery.facts import embedding_table, stream_dtype
+from surgery.passes.ablate import KEEP_SINK
 from surgery.passes.common import narrower_than_float32
-from surgery.facts import embedding_table
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 ABLATION_MODES = ("tangential", "radial", "remove")
@@ -35,8 +35,8 @@ PARALLEL = ("parallelize",)  # the switchboard kind of the single-layer parallel
 
 
 def _edit(branch: str, mode: str, *options: str) -> tuple[str, ...]:
-    """The switchboard kind of an ablation: the project pass on `branch` in `mode`."""
-    return ("project", branch, mode, *options)
+    """The switchboard kind of an ablation: the ablate pass on `branch` in `mode`."""
+    return ("ablate", branch, mode, *options)
 
 
 CHUNK = 8  # single-layer loss runs of a window per job (a job is a few seconds of SmolLM2)
@@ -289,7 +289,7 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     actors), each from the unchanged run's kept tensors; the parts are joined here in window order.
     """
     n = len(blocks)
-    lazy = not narrower_than_float32(graph.stream_dtype(model).numpy())  # If boundaries round float16 on CPU
+    lazy = not narrower_than_float32(stream_dtype(model).numpy())  # If boundaries round float16 on CPU
     board = switchboard.switchboard(model, kinds, lazy=lazy)
     resume = resumable.resumable(board, blocks) if lazy else None
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from surgery import __version__, graph, metadata
+from surgery import __version__, metadata
 from surgery.blocks import BlockMap
+from surgery.facts import stream_dtype
 from surgery.layers import checked
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def float_dtype(model: ir.Model, value: ir.Value | None = None) -> np.dtype:
     """
     dtype = value.dtype if value is not None else None
     if dtype is None or not dtype.is_floating_point():
-        dtype = graph.stream_dtype(model)
+        dtype = stream_dtype(model)
     return np.dtype(dtype.numpy())
 
 

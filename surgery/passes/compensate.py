@@ -21,9 +21,8 @@ import onnx_ir as ir
 from surgery import metadata
 from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.errors import SurgeryError
-from surgery.graph import values_by_name
 from surgery.metadata import tag
-from surgery.nodes import Emitter
+from surgery.nodes import Emitter, values_by_name
 from surgery.passes import projection
 from surgery.passes.common import Change, Fix, Pass, SurgeryResult, check_layers, node_name, record, register
 from surgery.passes.parallel import parallelize

@@ -21,9 +21,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from surgery import metadata, nodes
 from surgery.blocks import BlockMap, block_norms, find_blocks
 from surgery.errors import SurgeryError
-from surgery.graph import values_by_name
 from surgery.metadata import tag
-from surgery.nodes import Emitter
+from surgery.nodes import Emitter, values_by_name
 from surgery.passes import projection
 from surgery.passes.common import Change, Fix, Pass, SurgeryResult, check_layers, narrower_than_float32, node_name, record, register
 from surgery.passes.parallel import parallelize

@@ -9,8 +9,8 @@ import onnx_ir as ir
 from surgery import metadata
 from surgery.blocks import branch_nodes, find_blocks
 from surgery.errors import SurgeryError
-from surgery.graph import values_by_name
 from surgery.metadata import tag
+from surgery.nodes import values_by_name
 from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, node_name, record, register
 
 NAME = metadata.PARALLELIZE  # saving splits the sums of the blocks it rewired

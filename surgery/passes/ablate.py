@@ -1,4 +1,4 @@
-"""project: the residual add receives a part of a branch's output instead of all of it.
+"""ablate: the residual add receives a part of a branch's output instead of all of it.
 
 For the mlp, relative to v = resid_mid / |resid_mid| (resid_pre in a parallel block); for attention,
 relative to u = resid_pre / |resid_pre|, per token:
@@ -16,18 +16,17 @@ import onnx_ir as ir
 from surgery import metadata
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
-from surgery.graph import values_by_name
 from surgery.metadata import tag
-from surgery.nodes import Emitter
+from surgery.nodes import Emitter, values_by_name
 from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, float_dtype, narrower_than_float32, node_name, record, register
 
-NAME = "project"
+NAME = "ablate"
 KEEP_SINK = "keep-sink"  # a switchboard kind's last part: tokens at position 0 keep the branch output
 BRANCHES = ("mlp", "attn")
 MODES = ("tangential", "radial", "remove", "scale")
 
 
-def project(
+def ablate(
     model: ir.Model, branch: str, mode: str, layers: Collection[int], scale: float | None = None, keep_sink: bool = False
 ) -> SurgeryResult:
     """Replace the selected blocks' `branch` output in the residual add by its `mode` part.
@@ -170,8 +169,8 @@ def switch(board, block, on: ir.Value, prefix: str, branch: str, mode: str, *opt
         sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink"))
         edited = Emitter(prefix, nodes=built).op("Where", [sink, out, edited], "keep_sink")
     elif options:
-        raise SurgeryError(f"unknown project switch option {options!r}; the one there is: {KEEP_SINK}")
+        raise SurgeryError(f"unknown ablate switch option {options!r}; the one there is: {KEEP_SINK}")
     board.choose(block, branch, on, built, edited, f"{prefix}/chosen")
 
 
-PASS = register(Pass(NAME, project, switch))
+PASS = register(Pass(NAME, ablate, switch))
