@@ -7,8 +7,8 @@
         for result in actors.map("run", [args, ...], **common):  # obj.run(*args, **common) per job, in job order
 
 In this process, `concurrent` jobs run at once on threads sharing the object (ONNX Runtime runs one session
-from several threads, and releases the GIL), each session with cores / concurrent intra-op threads: on 2
-cores two one-thread runs of SmolLM2 take 0.47 s a run against 0.54 s for one two-thread run at a time.
+from several threads, and releases the GIL), each session with cores / concurrent intra-op threads: small
+runs scale better over runs than over the threads of one run.
 
 The driver reduces the results, in job order, so a sum over windows adds the same numbers in the same
 order whichever way they were computed. Ray is optional: `pip install 'surgery[ray]'`. Each actor takes one

@@ -146,8 +146,8 @@ _HANDED_OVER = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.D
 
 def _proto_without_big_weights(model: ir.Model, threshold: int = 1 << 20) -> tuple[bytes, dict[str, np.ndarray]]:
     """The serialized model with each in-memory weight of >= threshold bytes left as an external
-    reference, and those weights as arrays to hand to ORT directly: serializing 500 MB of weights
-    into a protobuf (and ORT parsing it back) cost 2-5 s per SmolLM2 session; handing them over does not."""
+    reference, and those weights as arrays to hand to ORT directly: serializing hundreds of MB of weights
+    into a protobuf (and ORT parsing them back) costs seconds per session; handing them over does not."""
     moved: dict[str, ir.TensorProtocol] = {}
     for name, value in model.graph.initializers.items():
         tensor = value.const_value

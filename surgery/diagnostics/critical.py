@@ -122,7 +122,7 @@ def find_critical_points(
     for i in np.argsort(res):
         if res[i] < tol and all(u[i] @ u[j] < 0.999 for j in distinct):
             distinct.append(i)
-    with threadpool_limits(1, user_api="blas"):  # two OpenBLAS threads on a busy 2-core machine: eigvals 17x slower
+    with threadpool_limits(1, user_api="blas"):  # small eigenproblems: BLAS threads cost more than they give
         kinds = classify(tangent_jacobians(f, u[distinct], r, eps)) if distinct else []
     points = tuple(
         CriticalPoint(kind, float(res[i]), max_real, min_real, unstable, tuple(u[i]))
