@@ -249,7 +249,7 @@ def parallelize(
     forms = sel.counts()
     split = f": {forms['compensated']} compensated, {forms['plain']} plain" if sel.fit else ""
     w = outcome.windows
-    fit_line = f"1 fit pass over {w['fit']['count']} fit windows{' + 1 refit' if sel.refit else ''}, " if sel.fit else ""
+    fit_line = f"{sel.fit_passes} fit pass{'es' if sel.fit_passes != 1 else ''} over {w['fit']['count']} fit windows{' (with the refit)' if sel.refit else ''}, " if sel.fit else ""
     lines = [
         ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
         ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} of {sel.candidates} candidates tried, "

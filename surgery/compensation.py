@@ -270,8 +270,7 @@ def fit(
     session = runtime.session(fit_graph(model, fixes), options)
     feed_switches = board_graph.switches(KINDS, n, on)
     parallel_on, fixed_on = (set((on or {}).get(kind, ())) for kind in KINDS)
-    per_chunk = max(1, memory_bytes // NormalEquations.nbytes(d_model))
-    chunks = [todo[i : i + per_chunk] for i in range(0, len(todo), per_chunk)]
+    chunks = _chunks(todo, d_model, memory_bytes)
     results: dict[int, FitResult] = {}
     done, total = 0, len(chunks) * len(windows)
     for chunk in chunks:
@@ -299,6 +298,19 @@ def fit(
                 results[layer] = dataclasses.replace(results[layer], fix=None, note=no_fold[layer])
         del sums
     return results
+
+
+def _chunks(layers: list[int], d_model: int, memory_bytes: int) -> list[list[int]]:
+    """The layers fitted together in each pass over the windows: as many as fit in memory_bytes, at least one."""
+    per_chunk = max(1, memory_bytes // NormalEquations.nbytes(d_model))
+    return [layers[i : i + per_chunk] for i in range(0, len(layers), per_chunk)]
+
+
+def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES) -> int:
+    """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None)."""
+    table = embedding_table(model)
+    todo = [b.layer for b in find_blocks(model) if not b.is_parallel and (layers is None or b.layer in layers)]
+    return len(_chunks(todo, table[1], memory_bytes)) if todo and table else 0
 
 
 def _no_fold(model: ir.Model, block: BlockMap) -> str | None:

@@ -112,7 +112,7 @@ class Selection:
     dnll: Delta  # of the chosen set, selection windows
     divergence: evaluate.Divergence | None  # of the chosen set vs the original, selection windows (None: nothing chosen)
     refit: dict | None  # what the sequential refit did, when asked for
-    fit_passes: int  # over the fit windows
+    fit_passes: int  # over the fit windows: one per chunk of layers whose normal equations fit in memory (+ the refit's)
     forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
     seconds: dict[str, float]
     candidates: int = 0  # sequential blocks that could be chosen, ranked
@@ -204,11 +204,13 @@ def select_layers(
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     if fit is not None:
-        fits = compensation.fit(model, fit_windows, kind=fit, options=options, progress=lambda d, t: tell("fit (one pass)", d, t))
+        fit_passes = compensation.passes(model)
+        fits = compensation.fit(model, fit_windows, kind=fit, options=options,
+                                progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
         stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
         stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
     else:
-        fits = {}
+        fits, fit_passes = {}, 0
         stats = defect_scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
         stats["c_comp"] = [None] * n
     seconds["fit" if fit else "scores"] = time.perf_counter() - start
@@ -272,8 +274,9 @@ def select_layers(
     if refit and compensated:
         start = time.perf_counter()
         on = {KINDS[0]: set(chosen), KINDS[1]: compensated}
+        fit_passes += compensation.passes(model, compensated)
         again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options,
-                                 progress=lambda d, t: tell("refit (one pass)", d, t))
+                                 progress=lambda d, t: tell("refit", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
         d, kl = loss(chosen, _scorers(pool, board_graph.switchboard(model, KINDS, new_fixes), options))
@@ -298,7 +301,7 @@ def select_layers(
         dnll=current,
         divergence=current_kl,
         refit=refit_report,
-        fit_passes=(1 if fit else 0) + (1 if refit_report else 0),
+        fit_passes=fit_passes,
         forward_passes=passes,
         seconds=seconds,
         candidates=len(candidates),
