@@ -6,6 +6,7 @@ from surgery import graph, runtime
 from surgery.analysis import probe as probe_graph
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
+from tests.helpers import linear_model
 
 FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "mistral", "phi3"]  # Phi-3: one fused gate_up projection
 BRANCH_NORMED = ["gemma2", "olmo2"]  # norms on the branch outputs: the stream is told from a branch by dependence
@@ -14,19 +15,17 @@ CASES = [(f, *e) for f in FAMILIES for e in EXPORTS] + [(f, *e) for f in BRANCH_
 
 
 @pytest.mark.parametrize("family,exporter,past", CASES, ids=[f"{f}-{e}{'-past' if p else ''}" for f, e, p in CASES])
-def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_path):
+def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tiny_export):
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from surgery.export import export
     from tests.reference import block_tensors
 
-    hf = _save_tiny(family, tmp_path / "hf")
-    export(str(hf), tmp_path / "onnx", past=past, exporter=exporter)
-    model = graph.load(tmp_path / "onnx")
+    tiny = tiny_export(family, exporter=exporter, past=past, seed=0)
+    model = graph.load(tiny.onnx)
     blocks = find_blocks(model)
 
-    reference = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny.hf, attn_implementation="eager").eval()
     assert len(blocks) == reference.config.num_hidden_layers
     parallel = family.endswith("parallel")
     assert all(b.is_parallel == parallel for b in blocks)
@@ -45,28 +44,6 @@ def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tmp_pat
     for layer, key, value in names:
         np.testing.assert_allclose(got[value], expected[layer][key], rtol=1e-4, atol=1e-4, err_msg=f"blocks.{layer}.{key}")
     assert set(expected[0]) == set(blocks[0].tensors())  # every hooked tensor was found
-
-
-def _save_tiny(family, folder):
-    """fixtures.make_fixtures' tiny HF folder of `family`, or Phi-3's, built here the same way."""
-    import torch
-    import transformers as T
-
-    from fixtures.make_fixtures import TOKENIZER, VOCAB, save_tiny
-
-    if family != "phi3":
-        return save_tiny(family, folder)
-    torch.manual_seed(0)
-    config = T.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                          vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:  # norm scales 1 -> 1 +- 0.2, so that no two layers share an initializer
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    T.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
-    return folder
 
 
 def _quantized(source, out, how):
@@ -126,20 +103,9 @@ def test_fixtures_without_torch(fixture_path, family, form, ln, mlp):
     assert all(b.mlp_in == (b.resid_pre if b.is_parallel else b.resid_mid) for b in blocks)
 
 
-def _linear_model() -> ir.Model:
-    """x -> MatMul -> Relu -> MatMul: a graph with no normalisation or residual."""
-    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 4]))
-    w = ir.Value(name="w", const_value=ir.tensor(np.eye(4, dtype=np.float32)))
-    a = ir.node("MatMul", [x, w])
-    r = ir.node("Relu", [a.outputs[0]])
-    b = ir.node("MatMul", [r.outputs[0], w])
-    g = ir.Graph([x], b.outputs, nodes=[a, r, b], initializers=[w], opset_imports={"": 18})
-    return ir.Model(g, ir_version=9)
-
-
 def test_no_blocks_is_one_clear_error():
     with pytest.raises(SurgeryError, match=r"found no transformer blocks in m\.onnx: it has no LayerNorm or RMSNorm"):
-        find_blocks(_linear_model(), where="m.onnx")
+        find_blocks(linear_model(), where="m.onnx")
 
 
 def test_norm_without_residual_is_one_clear_error():

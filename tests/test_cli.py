@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery.cli import app
-from tests.test_blocks import _linear_model
+from tests.helpers import linear_model
 
 runner = CliRunner()
 
@@ -35,7 +35,7 @@ def _bad_inputs(tmp_path, fixture_path):
     no_blocks = tmp_path / "linear.onnx"
     import onnx_ir as ir
 
-    ir.save(_linear_model(), no_blocks)
+    ir.save(linear_model(), no_blocks)
     return {
         "text": (text, "cannot read"),
         "truncated": (truncated, "cannot read"),

@@ -12,8 +12,8 @@ from surgery.passes import Fix, compensate, fuse, parallelize
 
 torch = pytest.importorskip("torch")
 
+from tests.helpers import IDS, Exported, logits  # noqa: E402
 from tests.reference import edited_logits  # noqa: E402
-from tests.test_passes import IDS, Exported, logits  # noqa: E402
 
 
 def planted(d: int, layers, seed: int = 3) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -22,8 +22,9 @@ def planted(d: int, layers, seed: int = 3) -> dict[int, tuple[np.ndarray, np.nda
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2", "gpt_neox"])
-def tiny(request, tmp_path_factory):
-    return Exported(request.param, tmp_path_factory.mktemp(request.param))
+def tiny(request, tiny_export):
+    """A tiny random model (seed 5) and its optimum export with a KV cache."""
+    return Exported(tiny_export(request.param, seed=5))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
@@ -74,12 +75,12 @@ def test_parallel_families_and_fused_blocks_refuse_compensation(fixture_path):
     assert compensate(fused, {0: Fix.gate(0.9)}).changed_layers == (0,)
 
 
-def test_compensated_kv_cache_folder_generates_like_the_hooked_model(tmp_path):
+def test_compensated_kv_cache_folder_generates_like_the_hooked_model(tmp_path, tiny_export):
     from optimum.onnxruntime import ORTModelForCausalLM
 
     from tests.reference import Edits
 
-    tiny = Exported("llama", tmp_path)
+    tiny = Exported(tiny_export("llama", seed=5))
     arrays = planted(tiny.torch.config.hidden_size, {0, 2})
     out = graph.write(compensate(tiny.onnx, {l: Fix(*a) for l, a in arrays.items()}).model, tmp_path / "comp", like=tiny.folder)
     before = [(v.name, v.dtype, str(v.shape)) for v in (*tiny.onnx.graph.inputs, *tiny.onnx.graph.outputs)]

@@ -119,3 +119,20 @@ def test_drift_correcting_fit_equals_numpy_on_the_rewritten_graph_s_taps(fixture
         got = np.concatenate([drifted[layer].fix.w_a, drifted[layer].fix.w_p, drifted[layer].fix.b[None]])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
         assert not np.allclose(got, np.concatenate([first[layer].fix.w_a, first[layer].fix.w_p, first[layer].fix.b[None]]), atol=1e-6)
+
+
+def test_the_fit_makes_as_many_passes_as_the_memory_bound_needs_and_says_so(fixture_path):
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=16, max_windows=4, part="calibration")
+    one_layer = NormalEquations.nbytes(compensation.embedding_table(model)[1])
+    assert compensation.passes(model) == 1 and compensation.passes(model, {0, 2}) == 1
+    assert compensation.passes(model, memory_bytes=one_layer) == 3
+    assert compensation.passes(model, memory_bytes=2 * one_layer) == 2
+    steps = []
+    chunked = compensation.fit(model, windows, memory_bytes=one_layer, progress=lambda done, total: steps.append(total))
+    assert set(steps) == {3 * len(windows)} and len(steps) == 3 * len(windows)  # one pass over the windows per layer
+    whole = compensation.fit(model, windows)
+    for layer, f in whole.items():  # the same sums, whichever chunk a layer is in
+        np.testing.assert_allclose(chunked[layer].fix.w_p, f.fix.w_p, rtol=1e-9, atol=1e-12)
+        assert chunked[layer].ridge == f.ridge

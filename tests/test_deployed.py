@@ -34,10 +34,11 @@ pytestmark = pytest.mark.xdist_group("deployed")
 
 
 class Builds:
-    """Tiny random HF models and what optimum, the GenAI builder and the ORT optimizer make of them, each made once."""
+    """Tiny random HF models (seed 5) and what optimum (conftest's tiny_export), the GenAI builder and the ORT
+    optimizer make of them, each made once."""
 
-    def __init__(self, root):
-        self.root, self._made = root, {}
+    def __init__(self, root, tiny_export):
+        self.root, self.tiny_export, self._made = root, tiny_export, {}
 
     def _once(self, key, make):
         if key not in self._made:
@@ -46,16 +47,12 @@ class Builds:
 
     def hf(self, family):
         pytest.importorskip("torch")
-        from fixtures.make_fixtures import save_tiny
-
-        tied = family.endswith("-tied")
-        make = lambda: save_tiny(family.removesuffix("-tied"), self.root / f"hf-{family}", seed=5, **({"tie_word_embeddings": True} if tied else {}))  # noqa: E731
-        return self._once(("hf", family), make)
+        tied = {"tie_word_embeddings": True} if family.endswith("-tied") else {}
+        return self.tiny_export.hf(family.removesuffix("-tied"), seed=5, **tied)
 
     def optimum(self, family):
-        from surgery.export import export
-
-        return self._once(("optimum", family), lambda: export(str(self.hf(family)), self.root / f"optimum-{family}").folder)
+        pytest.importorskip("torch")
+        return self.tiny_export(family, seed=5).onnx
 
     def variant(self, name):
         from fixtures.deployed import genai_build, ort_optimize
@@ -97,8 +94,8 @@ def exact(model: ir.Model) -> ir.Model:
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    return Builds(tmp_path_factory.mktemp("deployed"))
+def builds(tmp_path_factory, tiny_export):
+    return Builds(tmp_path_factory.mktemp("deployed"), tiny_export)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -45,18 +45,16 @@ def test_one_pass_defect_equals_two_separate_passes(fixture_path, family):
     np.testing.assert_allclose(report["gate"]["alpha"], sums[:, 3] / sums[:, 4], rtol=1e-4)
 
 
-def test_geometry_equals_loops_over_the_hooked_torch_model(tmp_path):
+def test_geometry_equals_loops_over_the_hooked_torch_model(tiny_export):
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from fixtures.make_fixtures import save_tiny
-    from surgery.export import export
     from tests.reference import block_tensors
 
-    hf = save_tiny("gpt2", tmp_path / "hf", seed=7)
-    folder = export(str(hf), tmp_path / "onnx").folder
+    tiny = tiny_export("gpt2", seed=7)
+    folder = tiny.onnx
     report = diagnose(folder, seq_len=24, windows=2, only=("deficit", "diversity"))
-    reference = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny.hf, attn_implementation="eager").eval()
     windows = data.windows(folder, seq_len=24, max_windows=2, part="calibration")
     cosines = [[] for _ in range(3)]
     div = {k: [[] for _ in range(3)] for k in ("resid_pre", "resid_mid", "resid_post")}
@@ -179,17 +177,13 @@ def test_parallel_blocks_report_defect_as_not_applicable(fixture_path):
     assert report["diversity"]["d_attn"] == [None] * 3 and all(v is not None for v in report["diversity"]["d_block"])
 
 
-def test_field_graph_is_the_torch_mlp_of_ln2(tmp_path):
+def test_field_graph_is_the_torch_mlp_of_ln2(tiny_export):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from fixtures.make_fixtures import save_tiny
-    from surgery.export import export
-
-    hf = save_tiny("llama", tmp_path / "hf", seed=4)
-    folder = export(str(hf), tmp_path / "onnx").folder
-    model = graph.load(folder)
-    reference = AutoModelForCausalLM.from_pretrained(hf).eval()
+    tiny = tiny_export("llama", seed=4)
+    model = graph.load(tiny.onnx)
+    reference = AutoModelForCausalLM.from_pretrained(tiny.hf).eval()
     z = np.random.default_rng(0).standard_normal((1, 5, 64)).astype(np.float32)
     for block in find_blocks(model):
         sess = runtime.session(field_graph.field(model, block))

@@ -36,17 +36,14 @@ def test_perplexity_equals_numpy_on_the_logits(fixture_path, family, stride):
     assert got.perplexity == pytest.approx(np.exp(got.loss))
 
 
-def test_perplexity_equals_the_hf_torch_model(tmp_path):
+def test_perplexity_equals_the_hf_torch_model(tiny_export):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from fixtures.make_fixtures import save_tiny
-    from surgery.export import export
-
-    hf = save_tiny("qwen2", tmp_path / "hf", seed=2)
-    folder = export(str(hf), tmp_path / "onnx").folder
+    tiny = tiny_export("qwen2", seed=2)
+    folder = tiny.onnx
     w = data.windows(folder, seq_len=40, max_windows=4)
-    reference = AutoModelForCausalLM.from_pretrained(hf).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny.hf).eval()
     with torch.no_grad():
         logits = reference(input_ids=torch.from_numpy(w.ids)).logits.double()
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), torch.from_numpy(w.ids[:, 1:]).reshape(-1))
@@ -163,12 +160,9 @@ def test_cpu_machine_prints_no_cuda_errors(fixture_path):
     assert "CUDA" not in run.stderr and "cuda" not in run.stderr.lower() and "error" not in run.stderr.lower()
 
 
-def test_graph_without_kv_cache_gets_prefill_only(tmp_path):
+def test_graph_without_kv_cache_gets_prefill_only(tiny_export):
     pytest.importorskip("torch")
-    from fixtures.make_fixtures import save_tiny
-    from surgery.export import export
-
-    folder = export(str(save_tiny("llama", tmp_path / "hf")), tmp_path / "onnx", past=False).folder
+    folder = tiny_export("llama", past=False, seed=0).onnx
     (result,) = evaluate.latency([folder], seq_len=16, repeats=2, warmup=1)
     assert result.decode_ms is None and result.decode_p90_ms is None and result.prefill_ms > 0
     shown = runner.invoke(app, ["evaluate", str(folder), "--seq-len", "16", "--max-windows", "2", "--repeats", "2", "--json"])

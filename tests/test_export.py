@@ -109,23 +109,6 @@ def test_dynamo_exporter_has_no_kv_cache(tmp_path):
         export("anything", tmp_path / "x", exporter="dynamo", past=True)
 
 
-def _save_tiny(family, folder):
-    """A tiny random HF folder of `family` (fixtures.make_fixtures' families, and Gemma 3 text built here)."""
-    from fixtures.make_fixtures import TOKENIZER, save_tiny
-
-    if family != "gemma3_text":
-        return save_tiny(family, folder, **FAMILIES[family])
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=16, vocab_size=512, max_position_embeddings=256, sliding_window=256, bos_token_id=0,
-                              eos_token_id=0, pad_token_id=0, **FAMILIES[family])
-    Gemma3ForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
-    return folder
-
-
 def _hf_logits(folder, ids, attention):
     from transformers import AutoModelForCausalLM
 
@@ -136,20 +119,19 @@ def _hf_logits(folder, ids, attention):
 
 @pytest.mark.parametrize("exporter,past", [("optimum", True), ("dynamo", False)], ids=["optimum", "dynamo"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_export_equals_the_hf_model_in_eager_attention(family, exporter, past, tmp_path):
+def test_export_equals_the_hf_model_in_eager_attention(family, exporter, past, tiny_export):
     """The exported logits equal the HF model's with eager attention, the reference implementation, to float
     error; for Gemma 2 sdpa attention is 3e-3 away, so an export that used it fails here."""
     from surgery import graph, runtime
 
-    hf = _save_tiny(family, tmp_path / "hf")
-    export(str(hf), tmp_path / "onnx", exporter=exporter, past=past)
+    tiny = tiny_export(family, exporter=exporter, past=past, seed=0, **FAMILIES[family])  # Gemma 3 text: tests.helpers builds it
     ids = np.random.default_rng(0).integers(0, 512, size=(2, 11))
-    session = runtime.session(graph.load(tmp_path / "onnx"))
+    session = runtime.session(graph.load(tiny.onnx))
     got = session.run(["logits"], runtime.feeds(session, ids))[0]
-    expected = _hf_logits(hf, ids, "eager")
+    expected = _hf_logits(tiny.hf, ids, "eager")
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     if FAMILIES[family].get("attn_logit_softcapping"):
-        assert np.abs(_hf_logits(hf, ids, "sdpa") - expected).max() > 1e-3  # the comparison can fail
+        assert np.abs(_hf_logits(tiny.hf, ids, "sdpa") - expected).max() > 1e-3  # the comparison can fail
 
 
 def test_eager_attention_is_chosen_from_the_config():

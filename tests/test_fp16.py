@@ -35,12 +35,10 @@ FLOAT32_ISLAND = ("/eps", "/tiny")
 class Pair:
     """A tiny random model exported twice, fp32 and (by the CLI) fp16."""
 
-    def __init__(self, folder, family="llama"):
-        from fixtures.make_fixtures import save_tiny
-
-        hf = save_tiny(family, folder / "hf", seed=5)
-        self.fp32, self.fp16 = export(str(hf), folder / "fp32").folder, folder / "fp16"
-        self.cli = CliRunner().invoke(app, ["export", str(hf), "-o", str(self.fp16), "--dtype", "fp16"])
+    def __init__(self, tiny, folder):
+        """`tiny` from conftest's tiny_export: its fp32 export, and its HF model exported again into `folder`."""
+        self.fp32, self.fp16 = tiny.onnx, folder / "fp16"
+        self.cli = CliRunner().invoke(app, ["export", str(tiny.hf), "-o", str(self.fp16), "--dtype", "fp16"])
         assert self.cli.exit_code == 0, self.cli.output
         self.m32, self.m16 = graph.load(self.fp32), graph.load(self.fp16)
 
@@ -48,22 +46,22 @@ class Pair:
 _PAIRS: dict[str, Pair] = {}
 
 
-def _pair(family, tmp_path_factory) -> Pair:
+def _pair(family, tiny_export, tmp_path_factory) -> Pair:
     if family not in _PAIRS:
-        _PAIRS[family] = Pair(tmp_path_factory.mktemp(f"fp16-{family}"), family)
+        _PAIRS[family] = Pair(tiny_export(family, seed=5), tmp_path_factory.mktemp(f"fp16-{family}"))
     return _PAIRS[family]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tiny_export, tmp_path_factory):
     """The tiny llama pair."""
-    return _pair("llama", tmp_path_factory)
+    return _pair("llama", tiny_export, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
-def family_pair(request, tmp_path_factory):
+def family_pair(request, tiny_export, tmp_path_factory):
     """The llama pair, and gpt2's (LayerNorm, Gemm projections with transposed weights)."""
-    return _pair(request.param, tmp_path_factory)
+    return _pair(request.param, tiny_export, tmp_path_factory)
 
 
 def logits(model: ir.Model) -> np.ndarray:

@@ -9,42 +9,17 @@ from surgery.errors import SurgeryError
 from surgery.passes import MODES, ablate, parallelize
 
 torch = pytest.importorskip("torch")
+from tests.helpers import IDS, Exported, logits  # noqa: E402
 from tests.reference import edited_logits  # noqa: E402
 
 FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "gemma2", "olmo2"]
 LAYER_SETS = [{1}, {0, 2}, {0, 1, 2}]
-IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
-
-
-class Exported:
-    """A tiny random HF model and its optimum export (KV cache), made once per family."""
-
-    def __init__(self, family, folder, exporter="optimum"):
-        from transformers import AutoModelForCausalLM
-
-        from fixtures.make_fixtures import save_tiny
-        from surgery.export import export
-
-        hf = save_tiny(family, folder / "hf", seed=5)
-        past = exporter == "optimum"
-        self.folder = export(str(hf), folder / "onnx", past=past, exporter=exporter).folder
-        self.onnx = graph.load(self.folder)
-        self.torch = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
-
-    def reference(self, parallel=(), branch_edits=()):
-        from tests.reference import edited_logits
-
-        return edited_logits(self.torch, IDS, parallel, branch_edits)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request, tmp_path_factory):
-    return Exported(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def logits(model: ir.Model, ids=IDS) -> np.ndarray:
-    session = runtime.session(model)
-    return session.run(["logits"], runtime.feeds(session, ids))[0]
+def tiny(request, tiny_export):
+    """A tiny random model (seed 5) and its optimum export with a KV cache."""
+    return Exported(tiny_export(request.param, seed=5))
 
 
 @pytest.mark.parametrize("layers", LAYER_SETS, ids=str)
@@ -141,8 +116,8 @@ def test_new_nodes_are_named_and_tagged(tiny):
     assert entry["pass"] == "ablate" and entry["layers"] == [1] and entry["options"]["mode"] == "radial"
 
 
-def test_dynamo_graphs_take_the_same_passes(tmp_path):
-    tiny = Exported("llama", tmp_path, exporter="dynamo")
+def test_dynamo_graphs_take_the_same_passes(tiny_export):
+    tiny = Exported(tiny_export("llama", exporter="dynamo", past=False, seed=5))
     model = ablate(parallelize(tiny.onnx, {1}).model, "mlp", "tangential", {0, 2}).model
     expected = tiny.reference({1}, [("mlp", "tangential", {0, 2}, None)])
     np.testing.assert_allclose(logits(model), expected, rtol=1e-4, atol=1e-4)
@@ -152,12 +127,12 @@ def test_dynamo_graphs_take_the_same_passes(tmp_path):
     np.testing.assert_allclose(logits(kept), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_rewritten_kv_cache_folder_generates_like_the_hooked_model(tmp_path):
+def test_rewritten_kv_cache_folder_generates_like_the_hooked_model(tmp_path, tiny_export):
     from optimum.onnxruntime import ORTModelForCausalLM
 
     from tests.reference import Edits
 
-    tiny = Exported("llama", tmp_path)
+    tiny = Exported(tiny_export("llama", seed=5))
     model = ablate(parallelize(tiny.onnx, {0, 2}).model, "mlp", "tangential", {1}).model
     out = graph.write(model, tmp_path / "rewritten", like=tiny.folder)
     prompt = torch.from_numpy(IDS[:1, :5])

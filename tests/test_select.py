@@ -53,15 +53,16 @@ class TestFused:
     """The fused form against the hooked HF model (independent) and the plain parallel graph."""
 
     @pytest.fixture(scope="class", params=["gpt2", "llama", "qwen2", "gpt_neox"])
-    def tiny(self, request, tmp_path_factory):
+    def tiny(self, request, tiny_export):
+        """A tiny random model (seed 5) and its optimum export with a KV cache."""
         pytest.importorskip("torch")
-        from tests.test_passes import Exported
+        from tests.helpers import Exported
 
-        return Exported(request.param, tmp_path_factory.mktemp(request.param))
+        return Exported(tiny_export(request.param, seed=5))
 
     @pytest.mark.parametrize("layers", [{1}, {0, 2}, {0, 1, 2}], ids=str)
     def test_fused_equals_the_hooked_parallel_model(self, tiny, layers):
-        from tests.test_passes import IDS
+        from tests.helpers import IDS
 
         result = fuse(tiny.onnx, layers)
         got = logits(result.model, IDS)
@@ -74,7 +75,7 @@ class TestFused:
         assert fuse(result.model, layers).changed_layers == ()  # idempotent
 
     def test_calibrated_fused_and_plain_equal_the_hooked_model(self, tiny):
-        from tests.test_passes import IDS
+        from tests.helpers import IDS
 
         alpha = {0: 0.7, 2: 1.3}
         edits = [("mlp", "scale", {layer}, a) for layer, a in alpha.items()]
@@ -87,8 +88,8 @@ class TestFused:
         import torch
         from optimum.onnxruntime import ORTModelForCausalLM
 
+        from tests.helpers import IDS
         from tests.reference import Edits
-        from tests.test_passes import IDS
 
         out = graph.write(fuse(tiny.onnx, {0, 2}).model, tmp_path / "fused", like=tiny.folder)
         prompt = torch.from_numpy(IDS[:1, :5])
