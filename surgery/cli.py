@@ -206,6 +206,7 @@ def parallelize(
     data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 64,
+    fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the free memory. Fewer bytes, more passes over the fit windows.")] = "auto",
     windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).")] = 16,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
@@ -218,7 +219,7 @@ def parallelize(
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
-    from surgery import rewrite, runtime, select
+    from surgery import compensation, rewrite, runtime, select
 
     explicit = layers.strip().lower() != "auto"
     if explicit and (workers or ray):
@@ -226,16 +227,17 @@ def parallelize(
     fit = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
     options = runtime.Options(threads=threads)
     budget = select.Budget.parse(max_kl, max_loss_increase)
+    fit_memory = compensation.memory_bound(fit_memory)  # a size that is not one: one line before any work
     if explicit:
         _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit=fit, fused=fuse, corpus=data, seq_len=seq_len,
-                                                 fit_windows=fit_windows, tokenizer=tokenizer, options=options), as_json)
+                                                 fit_windows=fit_windows, tokenizer=tokenizer, options=options, fit_memory=fit_memory), as_json)
         return
     with _progress() as tell:
         outcome, written = select.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
             fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
-            tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray,
+            tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray, fit_memory=fit_memory,
         )
     sel = outcome.selection
     for layer, why in sel.uncompensated.items():
@@ -272,7 +274,8 @@ def parallelize(
     if outcome.prefill_ratio is not None:
         decode = f", decode {outcome.decode_ratio:.3f}x" if outcome.decode_ratio else ""
         lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
-    seconds = ", ".join(f"{k} {v:.0f} s" for k, v in sel.seconds.items())
+    split = ", ".join(f"{k} {v:.0f} s" for k, v in sel.fit_seconds.items())
+    seconds = ", ".join(f"{k} {v:.0f} s" + (f" ({split})" if k == "fit" and split else "") for k, v in sel.seconds.items())
     lines.append(("time", seconds))
     lines.append(("written", f"{written} (+ selection.json)"))
     for key, value in lines:

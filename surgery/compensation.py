@@ -27,6 +27,9 @@ activations). On the unmodified stream the target is delta itself.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import time
 from collections.abc import Callable, Collection
 
 import numpy as np
@@ -44,7 +47,8 @@ from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # times diag(Z'Z); chosen per layer on the held-out fold
-MEMORY_BYTES = 2 << 30
+MEMORY_BYTES = 2 << 30  # the normal equations' bound when none is given (--fit-memory auto: a quarter of the free RAM)
+MEMORY_SHARE = 0.25
 KINDS = [("parallelize",), ("compensate",)]  # the switchboard kinds every fit and trial uses
 FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what the fit graph outputs per sequential block
 Progress = Callable[[int, int], None]
@@ -239,6 +243,7 @@ def fit(
     progress: Progress | None = None,
     keep_stream: dict[int, list[np.ndarray]] | None = None,
     drift: dict[int, list[np.ndarray]] | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> dict[int, FitResult]:
     """FitResult the fix of each sequential block in `layers` (all when None; a parallel block, or one that
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
@@ -249,7 +254,12 @@ def fit(
     keep_stream: receives each fitted block's resid_post on every window (token 0 left out, float32), for `drift`.
     drift: the original model's resid_post, as keep_stream kept it on the same windows: fit the drift-correcting
     fix (module docstring) under `fixes` / `on` instead of the defect's.
+    seconds: receives where the time went, added to what it holds: forward (the graph's runs), accumulate (the
+    float64 sums) and solve (the ridge choice and the solve).
     """
+    clock = {"forward": 0.0, "accumulate": 0.0, "solve": 0.0} if seconds is None else seconds
+    for key in ("forward", "accumulate", "solve"):
+        clock.setdefault(key, 0.0)
     if drift is not None and kind != "full":
         raise SurgeryError("the drift-correcting fit needs the full least-squares fix, not the scalar gate")
     blocks = find_blocks(model)
@@ -278,7 +288,10 @@ def fit(
         names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS]
         for i in range(len(windows)):
             feed = runtime.feeds(session, windows.ids[i : i + 1], extra={board_graph.SWITCHES: feed_switches})
+            start = time.perf_counter()
             out = dict(zip(names, session.run(names, feed)))
+            clock["forward"] += time.perf_counter() - start
+            start = time.perf_counter()
             for layer in chunk:  # token 0, the attention sink, left out
                 attn_out, mlp_x, delta, resid_post = (out[fit_tap(layer, w)][0, 1:] for w in FIT_TAPS)
                 if keep_stream is not None:
@@ -289,13 +302,16 @@ def fit(
                     delta = (drift[layer][i] - resid_post + correction).astype(mlp_x.dtype)
                     resid_post = drift[layer][i]
                 sums[layer].update(i % 2, attn_out, mlp_x, delta, resid_post)
+            clock["accumulate"] += time.perf_counter() - start
             done += 1
             if progress:
                 progress(done, total)
+        start = time.perf_counter()
         for layer in chunk:
             results[layer] = sums[layer].solve(layer, kind, ridges, defect=drift is None)
             if no_fold[layer]:  # scored, but its fix has nowhere to go: the block stays plain
                 results[layer] = dataclasses.replace(results[layer], fix=None, note=no_fold[layer])
+        clock["solve"] += time.perf_counter() - start
         del sums
     return results
 
@@ -311,6 +327,30 @@ def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes:
     table = embedding_table(model)
     todo = [b.layer for b in find_blocks(model) if not b.is_parallel and (layers is None or b.layer in layers)]
     return len(_chunks(todo, table[1], memory_bytes)) if todo and table else 0
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def memory_bound(text: str | int | None) -> int:
+    """--fit-memory: bytes the normal equations of one pass may take: `auto` (a quarter of the memory free now,
+    at least 256 MiB), or a size such as 512M, 4G, 1.5GiB."""
+    if text is None or str(text).strip().lower() == "auto":
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return MEMORY_BYTES
+        return max(int(MEMORY_SHARE * free), 256 << 20)
+    if isinstance(text, int):
+        size = text
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+        if match is None:
+            raise SurgeryError(f"cannot read --fit-memory {text!r}: give a size such as 512M or 4G, or auto")
+        size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size <= 0:
+        raise SurgeryError(f"--fit-memory {text!r}: give a positive size such as 512M or 4G, or auto")
+    return size
 
 
 def _no_fold(model: ir.Model, block: BlockMap) -> str | None:

@@ -115,6 +115,7 @@ class Selection:
     fit_passes: int  # over the fit windows: one per chunk of layers whose normal equations fit in memory (+ the refit's)
     forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
     seconds: dict[str, float]
+    fit_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # the fit's (and refit's) forward / accumulate / solve
     candidates: int = 0  # sequential blocks that could be chosen, ranked
     stopped: str | None = None  # why the greedy stopped before the last candidate
 
@@ -154,7 +155,7 @@ class Selection:
             "divergence": None if self.divergence is None else self.divergence.to_json(),
             "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit,
             "uncompensated": {str(k): v for k, v in self.uncompensated.items()},
-            "fit_passes": self.fit_passes, "forward_passes": self.forward_passes,
+            "fit_passes": self.fit_passes, "fit_seconds": self.fit_seconds, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
@@ -184,11 +185,13 @@ def select_layers(
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
     pool: cluster.Pool = cluster.Pool(),
+    fit_memory: int | str | None = None,
 ) -> Selection:
     """Greedy selection of blocks to parallelize (see the module docstring). `windows` are the
     selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted.
     patience: stop after this many candidates in a row miss the budget (None or 0: try them all).
-    pool: where each trial's batches of selection windows are scored (Ray actors, or this process)."""
+    pool: where each trial's batches of selection windows are scored (Ray actors, or this process).
+    fit_memory: the bytes one fit pass's normal equations may take (compensation.memory_bound: None is auto)."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
         raise SurgeryError(f"unknown score {score!r}; use one of {', '.join(SCORES)}")
@@ -202,10 +205,12 @@ def select_layers(
     blocks = find_blocks(model)
     n = len(blocks)
     seconds: dict[str, float] = {}
+    fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
     start = time.perf_counter()
     if fit is not None:
-        fit_passes = compensation.passes(model)
-        fits = compensation.fit(model, fit_windows, kind=fit, options=options,
+        memory = compensation.memory_bound(fit_memory)
+        fit_passes = compensation.passes(model, memory_bytes=memory)
+        fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, seconds=fit_seconds,
                                 progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
         stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
         stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
@@ -274,9 +279,9 @@ def select_layers(
     if refit and compensated:
         start = time.perf_counter()
         on = {KINDS[0]: set(chosen), KINDS[1]: compensated}
-        fit_passes += compensation.passes(model, compensated)
-        again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options,
-                                 progress=lambda d, t: tell("refit", d, t))
+        fit_passes += compensation.passes(model, compensated, memory)
+        again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory,
+                                 seconds=fit_seconds, progress=lambda d, t: tell("refit", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
         d, kl = loss(chosen, _scorers(pool, board_graph.switchboard(model, KINDS, new_fixes), options))
@@ -302,6 +307,7 @@ def select_layers(
         divergence=current_kl,
         refit=refit_report,
         fit_passes=fit_passes,
+        fit_seconds=fit_seconds,
         forward_passes=passes,
         seconds=seconds,
         candidates=len(candidates),
@@ -329,11 +335,11 @@ def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[str,
 
 
 def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=64,
-              tokenizer=None, options=runtime.Options()) -> dict[int, Fix]:
+              tokenizer=None, options=runtime.Options(), fit_memory: int | str | None = None) -> dict[int, Fix]:
     """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers).
     A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
     windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
-    fits = compensation.fit(model, windows, set(layers), kind=fit, options=options)
+    fits = compensation.fit(model, windows, set(layers), kind=fit, options=options, memory_bytes=compensation.memory_bound(fit_memory))
     for layer, f in sorted(fits.items()):
         if f.fix is None:
             raise SurgeryError(f"cannot compensate block {layer}: {f.note}; or parallelize it plain with --no-compensate")

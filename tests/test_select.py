@@ -327,3 +327,22 @@ def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, 
     result = runner.invoke(app, ["parallelize", str(folder), "--fuse", "--protect-first", "2", "--seq-len", "32", "--windows", "2",
                                  "--fit-windows", "4", "--eval-windows", "2", "--no-latency", "-o", str(tmp_path / "protected")])
     assert result.exit_code == 0, result.output  # block 1 protected: nothing to refuse
+
+
+def test_fit_memory_sets_the_passes_and_the_fit_says_where_its_time_went(fixture_path, tmp_path):
+    from surgery import compensation
+
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=16, max_windows=4, part="calibration")
+    one_layer = compensation.NormalEquations.nbytes(compensation.embedding_table(model)[1])
+    tight = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory=one_layer)
+    loose = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory="1G")
+    assert (tight.fit_passes, loose.fit_passes) == (3, 1)
+    assert tight.layers == loose.layers and tight.c_comp == pytest.approx(loose.c_comp, rel=1e-9)
+    assert set(tight.fit_seconds) == {"forward", "accumulate", "solve"} and all(v > 0 for v in tight.fit_seconds.values())
+    assert sum(tight.fit_seconds.values()) <= tight.seconds["fit"]
+    for bad in ("lots", "0", "-1G"):
+        result = runner.invoke(app, ["parallelize", str(path), "--fit-memory", bad, "-o", str(tmp_path / "out")])
+        assert result.exit_code == 1 and result.stderr.strip().startswith("error:") and "--fit-memory" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
