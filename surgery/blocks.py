@@ -138,9 +138,10 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
             f"cannot read block {len(blocks)} of {where}: the residual add at {post.name!r} "
             f"adds {found} to {pre.name!r}; expected attention then mlp (sequential) or both at once (parallel)"
         )
+    values = values_by_name(model)
     for block in blocks:
         for branch in ("attn", "mlp"):
-            unknown = sorted({ops.describe(n) for n in branch_nodes(model, block, branch) if not ops.is_known(n)})
+            unknown = sorted({ops.describe(n) for n in branch_nodes(model, block, branch, values) if not ops.is_known(n)})
             if unknown:
                 raise SurgeryError(
                     f"block {block.layer} of {where} holds {', '.join(unknown)} in its {branch} branch, an op surgery's op "
@@ -149,9 +150,10 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
     return blocks
 
 
-def branch_nodes(model: ir.Model, block: BlockMap, branch: str) -> set[ir.Node]:
-    """Nodes computing the block's `attn_out` or `mlp_out` (its ln included), back to the stream values it reads."""
-    values = values_by_name(model)
+def branch_nodes(model: ir.Model, block: BlockMap, branch: str, values: dict[str, ir.Value] | None = None) -> set[ir.Node]:
+    """Nodes computing the block's `attn_out` or `mlp_out` (its ln included), back to the stream values it reads.
+    values: the model's values_by_name, when the caller has it (else it is made: a scan of the whole graph)."""
+    values = values if values is not None else values_by_name(model)
     stop = {values[name] for name in (block.resid_pre, block.resid_mid) if name is not None}
     return _branch_nodes(values[block.mlp_out if branch == "mlp" else block.attn_out], stop)
 
@@ -168,12 +170,12 @@ class Norm:
     eps: float | None  # None: a decomposed RMSNorm whose epsilon is not one constant
 
 
-def block_norms(model: ir.Model, block: BlockMap) -> tuple[Norm, Norm]:
-    """ln1 and ln2 of a block, with their scale, bias and epsilon, for passes that fold them.
+def block_norms(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> tuple[Norm, Norm]:
+    """ln1 and ln2 of a block, with their scale, bias and epsilon, for passes that fold them (values: as branch_nodes).
 
     Raises SurgeryError for normalisations it cannot read (decomposed LayerNorm, say).
     """
-    values = values_by_name(model)
+    values = values if values is not None else values_by_name(model)
     attn = _branch_nodes(values[block.attn_out], {values[block.resid_pre]})
     mlp = _branch_nodes(values[block.mlp_out], {values[n] for n in (block.resid_pre, block.resid_mid) if n})
     found = {}

@@ -1,7 +1,7 @@
 """The compensation fit: a ridge least-squares fix of each block's sequential-to-parallel defect.
 
 For a sequential block, A = attn_out, P = mlp(ln2(resid_pre)) and delta = mlp(ln2(resid_mid)) - P
-on calibration tokens. FitResult delta ~ A w_a + P w_p + b, i.e. delta ~ z W with z = [A, P, 1]:
+on calibration tokens. Fit delta ~ A w_a + P w_p + b, i.e. delta ~ z W with z = [A, P, 1]:
 
     W = (Z'Z + ridge * diag(Z'Z))^-1 Z'delta        (float64)
 
@@ -213,7 +213,7 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: s
     g, values, e = board.graph, board.values, board.emitter(prefix)
     mid, pre = values[block.resid_mid], values[block.resid_pre]
     other = e.op("Where", [on, mid, pre], "twin_in")  # the input the mlp branch does not read
-    twin = twin_branch(g, branch_nodes(board.model, block, "mlp"), {mid: other}, f"{prefix}/twin")[values[block.mlp_out]]
+    twin = twin_branch(g, branch_nodes(board.model, block, "mlp", values), {mid: other}, f"{prefix}/twin")[values[block.mlp_out]]
     own = values[block.mlp_out]
     on_mid = e.op("Where", [on, twin, own], "mlp_h")
     top = board.emitter("")
@@ -245,7 +245,7 @@ def fit(
     drift: dict[int, list[np.ndarray]] | None = None,
     seconds: dict[str, float] | None = None,
 ) -> dict[int, FitResult]:
-    """FitResult the fix of each sequential block in `layers` (all when None; a parallel block, or one that
+    """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
     block's uncompensated scores.
 

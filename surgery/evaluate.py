@@ -305,6 +305,18 @@ def compare(
     return [joined(p) for p in parts]
 
 
+def counter(tell: Callable[[str, int, int], None], stage: str, total: int) -> Callable[[int], None]:
+    """Turn tell(stage, done, total) into step(n), which counts n more done."""
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        tell(stage, done, total)
+
+    return step
+
+
 def side_by_side(models: Sequence, names: Sequence[str], *, corpus=None, seq_len: int = 256, stride: int | None = None,
                  max_windows: int | None = None, part: str = "evaluation", tokenizer=None, batch_size: int = 1,
                  measure_latency: bool = True, latency_batch: int = 1, repeats: int = 20, warmup: int = 3,
@@ -319,22 +331,12 @@ def side_by_side(models: Sequence, names: Sequence[str], *, corpus=None, seq_len
         graph.resolve(model)  # every path checked before minutes of work
     check_seq_len(models[0], seq_len, decode=measure_latency)
     windows = data.windows(models[0], corpus, seq_len=seq_len, stride=stride, max_windows=max_windows, part=part, tokenizer=tokenizer)
-    done = [0] * len(models)
-
-    def scored(i: int, n: int) -> None:
-        done[i] += n
-        tell(f"perplexity {names[i]}", done[i], len(windows))
-
-    scores = compare(models, windows, batch_size=batch_size, options=options, progress=scored)
+    scored = [counter(tell, f"perplexity {name}", len(windows)) for name in names]
+    scores = compare(models, windows, batch_size=batch_size, options=options, progress=lambda i, n: scored[i](n))
     timings = []
     if measure_latency:
-        runs = [0]
-
-        def timed(n: int) -> None:
-            runs[0] += n
-            tell("latency (interleaved)", runs[0], repeats)
-
-        timings = latency(models, batch=latency_batch, seq_len=seq_len, repeats=repeats, warmup=warmup, options=options, progress=timed)
+        timings = latency(models, batch=latency_batch, seq_len=seq_len, repeats=repeats, warmup=warmup, options=options,
+                          progress=counter(tell, "latency (interleaved)", repeats))
     return windows, rows(models, names, scores, timings)
 
 

@@ -99,7 +99,7 @@ class Session:
     live as long as the session) and the KV cache sizes a graph leaves symbolic. Everything else is ORT's own
     InferenceSession, `ort`, to which the calls it does not know go (run, get_inputs, io_binding, ...)."""
 
-    def __init__(self, sess: Session, weights: dict[str, np.ndarray], kv_sizes: tuple[int, int] | None):
+    def __init__(self, sess: ort.InferenceSession, weights: dict[str, np.ndarray], kv_sizes: tuple[int, int] | None):
         self.ort, self.weights, self.kv_sizes = sess, weights, kv_sizes
 
     def __getattr__(self, name: str):

@@ -430,19 +430,14 @@ def auto(
         selection = select_layers(model, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
-    done = [0]
-
-    def step(i, n):
-        done[0] += n
-        tell("evaluation windows", done[0], 2 * len(ev))
-
-    base, after = evaluate.compare([model, rewritten], ev, options=options, progress=step)
+    step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
+    base, after = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
     times = evaluate.branch_times(model, seq_len=seq_len, runs=3, options=options)  # on the latency's device
     estimate = times.estimated_speedup(selection.layers)
     prefill = decode = timing = None
     if measure_latency:
         timed = evaluate.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
-                                 progress=lambda n: tell("latency (interleaved)", n, repeats))
+                                 progress=evaluate.counter(tell, "latency (interleaved)", repeats))
         prefill = timed[0].prefill_ms / timed[1].prefill_ms
         decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None
         timing = {"original": dataclasses.asdict(timed[0]), "rewritten": dataclasses.asdict(timed[1])}

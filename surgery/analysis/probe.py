@@ -35,19 +35,24 @@ def probe(model: ir.Model, tensors=TENSORS, twin: bool = True) -> Probe:
     for block in blocks:
         names = {k: v for k, v in block.tensors().items() if k in tensors}
         if twin and not block.is_parallel:
-            mapping = twin_branch(model.graph, branch_nodes(model, block, "mlp"), {values[block.resid_mid]: values[block.resid_pre]},
+            mapping = twin_branch(model.graph, branch_nodes(model, block, "mlp", values), {values[block.resid_mid]: values[block.resid_pre]},
                                   f"surgery/twin/blocks.{block.layer}")
             names["mlp_out_on_pre"] = mapping[values[block.mlp_out]].name
         outputs.append(names)
     model.graph.sort()
-    tapped = tap(model, [name for names in outputs for name in names.values()])
-    return Probe(tapped, tuple(outputs))
+    _add_outputs(model, [name for names in outputs for name in names.values()], values_by_name(model))
+    return Probe(model, tuple(outputs))
 
 
 def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
     """A copy of `model` that also outputs the named values (weights shared, not copied)."""
     model = model.clone()
-    values = values_by_name(model)
+    _add_outputs(model, names, values_by_name(model))
+    return model
+
+
+def _add_outputs(model: ir.Model, names: Iterable[str], values: dict[str, ir.Value]) -> None:
+    """Make the named values graph outputs too, in place."""
     present = {v.name for v in model.graph.outputs}
     dtype = None
     for name in names:
@@ -60,7 +65,6 @@ def tap(model: ir.Model, names: Iterable[str]) -> ir.Model:
             value.dtype = dtype = dtype or stream_dtype(model)
         model.graph.outputs.append(value)
         present.add(name)
-    return model
 
 
 def twin_branch(g: ir.Graph, branch: set[ir.Node], mapping: dict[ir.Value, ir.Value], prefix: str) -> dict[ir.Value, ir.Value]:
@@ -75,10 +79,10 @@ def defect_scores(model: ir.Model, windows, options: runtime.Options = runtime.O
     """C_l, C_l^stream and alpha_l of every block from one pass of the probe over `windows` (token 0 left out)."""
     p = probe(model, tensors=("mlp_out", "resid_post"), twin=True)
     sess = runtime.session(p.model, options)
-    names = [o.name for o in sess.get_outputs()]
+    names = sorted({name for o in p.outputs if "mlp_out_on_pre" in o for name in o.values()})  # not the logits or the KV cache
     stats = defect.DefectStats(len(p.outputs))
     for i in range(len(windows)):
-        out = dict(zip(names, sess.run(None, runtime.feeds(sess, windows.ids[i : i + 1]))))
+        out = dict(zip(names, sess.run(names, runtime.feeds(sess, windows.ids[i : i + 1]))))
         for layer, o in enumerate(p.outputs):
             if "mlp_out_on_pre" in o:
                 stats.update(layer, out[o["mlp_out"]][0, 1:], out[o["mlp_out_on_pre"]][0, 1:], out[o["resid_post"]][0, 1:])

@@ -56,14 +56,9 @@ def ablate(
             continue
         ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
         prefix = unique_name(node_name(NAME, block.layer, f"{branch}_out_{mode}"), taken)
-        nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, float_dtype(model, out))
-        if keep_sink:
-            if sink is None:
-                sink = sink_mask(model, unique_name(f"surgery/{NAME}/sink", taken))
-            keep = ir.node("Where", [sink, out, new_out], name=f"{prefix}/keep_sink")
-            keep.outputs[0].name = f"{prefix}/keep_sink"
-            nodes.append(keep)
-            new_out = keep.outputs[0]
+        if keep_sink and sink is None:
+            sink = sink_mask(model, unique_name(f"surgery/{NAME}/sink", taken))
+        nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, float_dtype(model, out), sink if keep_sink else None)
         for node in nodes:
             tag(node, NAME, block.layer)
         nodes[-1].metadata_props[metadata.EDIT] = label
@@ -90,8 +85,9 @@ def _check(branch: str, mode: str, scale: float | None) -> str:
     return f"{branch} {mode}" + (f"={scale:g}" if mode == "scale" else "")
 
 
-def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype) -> tuple[list[ir.Node], ir.Value]:
-    """Nodes computing the edited branch output from `out` [batch, pos, d_model] and direction source `ref`.
+def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype, sink: ir.Value | None = None) -> tuple[list[ir.Node], ir.Value]:
+    """Nodes computing the edited branch output from `out` [batch, pos, d_model] and direction source `ref`;
+    with `sink` (sink_mask's value), the tokens at position 0 keep `out` whole.
 
     dtype: the branch output's float type; constants take it. In fp16 / bf16 the tangential and
     radial parts are computed in float32 between Casts: |ref|^2 over d_model overflows float16
@@ -100,6 +96,7 @@ def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtyp
     nodes: list[ir.Node] = []
     e = Emitter(prefix, nodes=nodes)
     op, const = e.op, e.const
+    whole = out
 
     if mode in ("remove", "scale"):
         factor = const("factor", np.array(0.0 if mode == "remove" else scale, dtype=dtype))
@@ -120,6 +117,8 @@ def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtyp
         if narrow:  # rounded once, back to the branch output's type
             result = op("Cast", [result], "to_" + np.dtype(dtype).name, to=ir.DataType.from_numpy(np.dtype(dtype)))
     result.name = prefix
+    if sink is not None:
+        result = op("Where", [sink, whole, result], "keep_sink")
     return nodes, result
 
 
@@ -164,12 +163,10 @@ def switch(board, block, on: ir.Value, prefix: str, branch: str, mode: str, *opt
     _check(branch, mode, None)
     out = board.values[block.mlp_out if branch == "mlp" else block.attn_out]
     ref = board.values[block.mlp_in if branch == "mlp" else block.resid_pre]
-    built, edited = edit_nodes(out, ref, mode, None, prefix, float_dtype(board.model, out))
-    if options == (KEEP_SINK,):
-        sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink"))
-        edited = Emitter(prefix, nodes=built).op("Where", [sink, out, edited], "keep_sink")
-    elif options:
+    if options not in ((), (KEEP_SINK,)):
         raise SurgeryError(f"unknown ablate switch option {options!r}; the one there is: {KEEP_SINK}")
+    sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink")) if options else None
+    built, edited = edit_nodes(out, ref, mode, None, prefix, float_dtype(board.model, out, board.dtype), sink)
     board.choose(block, branch, on, built, edited, f"{prefix}/chosen")
 
 

@@ -127,15 +127,16 @@ def _times_one_plus(x: np.ndarray, w: np.ndarray | float | None) -> np.ndarray:
     return x + x @ np.asarray(w, np.float64)
 
 
-def float_dtype(model: ir.Model, value: ir.Value | None = None) -> np.dtype:
-    """The NumPy float type of `value` when the graph records it, else of the residual stream.
+def float_dtype(model: ir.Model, value: ir.Value | None = None, stream: np.dtype | None = None) -> np.dtype:
+    """The NumPy float type of `value` when the graph records it, else of the residual stream (`stream` when the
+    caller knows it already: finding it scans the graph).
 
     Constants a pass adds take this type, so an fp16 graph stays fp16 (optimum leaves most
     intermediate values untyped; the token embedding table says what the stream is).
     """
     dtype = value.dtype if value is not None else None
     if dtype is None or not dtype.is_floating_point():
-        dtype = stream_dtype(model)
+        return np.dtype(stream) if stream is not None else np.dtype(stream_dtype(model).numpy())
     return np.dtype(dtype.numpy())
 
 

@@ -74,7 +74,7 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
         )
     values = values_by_name(model)
     try:
-        ln1, ln2 = block_norms(model, block)
+        ln1, ln2 = block_norms(model, block, values)
         for ln in (ln1, ln2):
             projection.reading(values[ln.output], block.layer)
         projection.producing(values[block.attn_out], block.layer, "attn_out")
@@ -91,7 +91,7 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
 
 def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
     g, layer = model.graph, block.layer
-    ln1, ln2 = block_norms(model, block)
+    ln1, ln2 = block_norms(model, block, values)
     x = values[block.resid_pre]
 
     inputs = []  # (projection, ln) in the order their outputs are concatenated

@@ -33,7 +33,7 @@ def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:
         if block.is_parallel:
             changes.append(Change(block.layer, "already parallel", applied=False))
             continue
-        mlp = branch_nodes(model, block, "mlp")
+        mlp = branch_nodes(model, block, "mlp", values)
         redirect(model.graph, mlp, values[block.resid_mid], values[block.resid_pre], block.layer)
         changes.append(Change(block.layer, "ln2 reads resid_pre"))
     result = SurgeryResult(model, tuple(changes))
@@ -83,7 +83,7 @@ def switch(board, block, on: ir.Value, prefix: str) -> None:
     if block.is_parallel:
         return
     mid, pre = board.values[block.resid_mid], board.values[block.resid_pre]
-    mlp = branch_nodes(board.model, block, "mlp")
+    mlp = branch_nodes(board.model, block, "mlp", board.values)
     chosen = board.emitter(prefix).op("Where", [on, pre, mid], "mlp_in")
     redirect(board.graph, mlp, mid, chosen, block.layer, "switchboard")
 
