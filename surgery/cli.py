@@ -206,15 +206,16 @@ def parallelize(
     data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 64,
-    fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the free memory. Fewer bytes, more passes over the fit windows.")] = "auto",
+    fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the available memory. Fewer bytes, more passes over the fit windows.")] = "auto",
     windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).")] = 16,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
     repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 20,
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
-    workers: Annotated[Optional[int], typer.Option(help="auto: score the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery[ray]').")] = None,
-    ray: Annotated[Optional[str], typer.Option("--ray", help="auto: score the selection trials on the Ray cluster at ADDRESS.")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery[ray]').")] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="auto: run the fit pass and the selection trials on the Ray cluster at ADDRESS.")] = None,
+    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`; with --workers / --ray, where the actors run (cuda: one GPU each).")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
@@ -225,7 +226,9 @@ def parallelize(
     if explicit and (workers or ray):
         raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
     fit = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
-    options = runtime.Options(threads=threads)
+    options = runtime.Options(threads=threads, device=device)
+    if device not in runtime.DEVICES or not (workers or ray):  # with Ray, the actors' device is the cluster's (cluster.pool)
+        runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable: one line before any work
     budget = select.Budget.parse(max_kl, max_loss_increase)
     fit_memory = compensation.memory_bound(fit_memory)  # a size that is not one: one line before any work
     if explicit:

@@ -23,6 +23,7 @@ import dataclasses
 import io
 import logging
 import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -59,7 +60,15 @@ class Remote:
         self._pool = ray.util.ActorPool(actors)
 
     def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
-        return self._pool.map(lambda actor, args: actor.call.remote(method, args, common), list(jobs))
+        import ray.exceptions
+
+        results = self._pool.map(lambda actor, args: actor.call.remote(method, args, common), list(jobs))
+        try:
+            yield from results
+        except ray.exceptions.RayTaskError as e:  # a worker's SurgeryError is the user's one line, not Ray's traceback
+            if isinstance(e.cause, SurgeryError):
+                raise SurgeryError(str(e.cause)) from None
+            raise
 
 
 @dataclasses.dataclass
@@ -69,10 +78,18 @@ class Pool:
 
     workers: int = 0
     concurrent: int = 1
+    local: bool = False  # the Ray actors run on this machine (a cluster pool() started)
+    gpus: float = 0.0  # per actor: its share of a GPU, when the actors run on CUDA
 
     @property
     def distributed(self) -> bool:
         return self.workers > 0
+
+    @property
+    def copies(self) -> int:
+        """How many copies of what each actor holds (a fit pass's sums) share this machine's memory: the
+        driver's, and each actor's when they run here."""
+        return 1 + self.workers if self.local else 1
 
     @property
     def parallel(self) -> int:
@@ -83,7 +100,7 @@ class Pool:
         """Session options for the objects `make` builds: one intra-op thread per Ray actor; in this process,
         the cores shared by the concurrent jobs."""
         if self.distributed:
-            return dataclasses.replace(options, threads=1)
+            return dataclasses.replace(options, threads=1, device="cuda" if self.gpus else "cpu")
         if self.concurrent > 1:
             return dataclasses.replace(options, threads=max(1, (os.cpu_count() or 1) // self.concurrent))
         return options
@@ -95,7 +112,7 @@ class Pool:
         import ray
 
         portable = ray.put(runtime.Portable.of(model))
-        return Remote([_holder().remote(portable, make) for _ in range(self.workers)])
+        return Remote([_holder().options(num_gpus=self.gpus).remote(portable, make) for _ in range(self.workers)])
 
 
 def concurrency(options: runtime.Options) -> int:
@@ -107,9 +124,14 @@ def concurrency(options: runtime.Options) -> int:
 
 
 @contextlib.contextmanager
-def pool(workers: int | None = None, address: str | None = None, concurrent: int = 1) -> Iterator[Pool]:
+def pool(workers: int | None = None, address: str | None = None, concurrent: int = 1, device: str = "auto",
+         gpus: int | None = None) -> Iterator[Pool]:
     """A Pool over a local Ray cluster of `workers` CPUs (started and stopped here), over the Ray cluster at
-    `address` (as many actors as it has CPUs), or, with neither, this process running `concurrent` jobs at once."""
+    `address` (as many actors as it has CPUs), or, with neither, this process running `concurrent` jobs at once.
+
+    device: where the actors run their sessions: `cuda` (each actor asks Ray for a GPU, or an equal share of the
+    cluster's GPUs when there are fewer GPUs than actors; a cluster without GPUs is an error), `cpu`, or `auto`
+    (CUDA when the cluster has GPUs). gpus: the GPUs a local cluster declares (Ray detects them when None)."""
     if not workers and not address:
         yield Pool(concurrent=concurrent)
         return
@@ -125,18 +147,33 @@ def pool(workers: int | None = None, address: str | None = None, concurrent: int
             if address:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             else:
-                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, configure_logging=False)
+                ray.init(num_cpus=workers, num_gpus=gpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SurgeryError(f"cannot start Ray ({str(e).splitlines()[0] if str(e) else type(e).__name__}); check --ray ADDRESS") from None
     for line in printed.getvalue().splitlines():
         logging.getLogger(__name__).warning(line)
     try:
-        yield Pool(workers or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        resources = ray.cluster_resources()
+        actors = workers or max(1, int(resources.get("CPU", 1)))
+        yield Pool(actors, local=not address, gpus=_gpu_share(device, resources.get("GPU", 0), actors))
     finally:
         ray.shutdown()
 
 
+def _gpu_share(device: str, gpus: float, actors: int) -> float:
+    """Each actor's num_gpus: 1, or gpus / actors when the cluster has fewer GPUs than actors; 0 on the CPU."""
+    if device == "cpu" or (device == "auto" and not gpus):
+        return 0.0
+    if not gpus:
+        raise SurgeryError("--device cuda: the Ray cluster has no GPU for its workers; start it on GPU nodes, or use --device cpu")
+    return min(1.0, gpus / actors)
+
+
 _HOLDER = None
+
+
+def _on_this_host(error: SurgeryError) -> SurgeryError:
+    return SurgeryError(f"on the Ray worker at {socket.gethostname()}: {error}")
 
 
 def _holder():
@@ -148,10 +185,18 @@ def _holder():
         @ray.remote(num_cpus=1)
         class Holder:
             def __init__(self, portable: runtime.Portable, make):
-                self.obj = make(portable.load())
+                try:
+                    self.obj, self.failed = make(portable.load()), None
+                except SurgeryError as e:  # raised again at the first call, where the driver reads it (an actor that died could not say why)
+                    self.obj, self.failed = None, _on_this_host(e)
 
             def call(self, method: str, args: tuple, common: dict):
-                return getattr(self.obj, method)(*args, **common)
+                if self.failed is not None:
+                    raise self.failed
+                try:
+                    return getattr(self.obj, method)(*args, **common)
+                except SurgeryError as e:
+                    raise _on_this_host(e) from None
 
         _HOLDER = Holder
     return _HOLDER

@@ -27,6 +27,7 @@ activations). On the unmodified stream the target is delta itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -36,21 +37,23 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import defect, runtime
+from surgery import cluster, defect, runtime
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.probe import twin_branch
 from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.data import Windows
 from surgery.errors import SurgeryError
-from surgery.facts import embedding_table
+from surgery.facts import embedding_table, stream_dtype
+from surgery.nodes import Emitter, values_by_name
 from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # times diag(Z'Z); chosen per layer on the held-out fold
-MEMORY_BYTES = 2 << 30  # the normal equations' bound when none is given (--fit-memory auto: a quarter of the free RAM)
+MEMORY_BYTES = 2 << 30  # the normal equations' bound when the available memory cannot be read (--fit-memory auto: a quarter of it)
 MEMORY_SHARE = 0.25
 KINDS = [("parallelize",), ("compensate",)]  # the switchboard kinds every fit and trial uses
 FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what the fit graph outputs per sequential block
+RESUME, STREAM = "surgery/fit/resid_pre", "surgery/fit/stream"  # a pass's stream into its first block, from the pass before
 Progress = Callable[[int, int], None]
 
 
@@ -93,9 +96,9 @@ class NormalEquations:
 
     def update(self, fold: int, attn_out: np.ndarray, mlp_x: np.ndarray, delta: np.ndarray, resid_post: np.ndarray) -> None:
         """Add tokens: each argument [tokens, d_model]; delta is the fit's target (the defect, or what the
-        drift-correcting fit aims at). One window's products are formed in the
-        activations' own precision (at least float32, what ORT computed them in) and added to the
-        float64 sums, so the sums carry no error the activations do not already have."""
+        drift-correcting fit aims at). One window's products are formed in the activations' own precision
+        (at least float32, what ORT computed them in) and added to the float64 sums, so the sums carry no
+        error the activations do not already have."""
         n = len(delta)
         dtype = np.result_type(attn_out, mlp_x, delta, np.float32)
         z = np.concatenate([attn_out, mlp_x, np.ones((n, 1))], axis=1, dtype=dtype)
@@ -105,6 +108,11 @@ class NormalEquations:
         self.dd[fold] += float(np.sum(delta.astype(np.float64) ** 2))
         self.yy[fold] += float(np.sum(resid_post.astype(np.float64) ** 2))
         self.tokens[fold] += n
+
+    def add(self, other: "NormalEquations") -> None:
+        """Add another's sums (of other windows) to these."""
+        for mine, theirs in ((self.zz, other.zz), (self.zd, other.zd), (self.dd, other.dd), (self.yy, other.yy), (self.tokens, other.tokens)):
+            mine += theirs
 
     def _traces(self, fold) -> tuple[float, float, float]:
         """sum |P|^2, sum <P, delta>, sum |delta|^2 over fold 0, 1, or both (None)."""
@@ -193,18 +201,37 @@ def fit_tap(layer: int, what: str) -> str:
     return f"surgery/fit/blocks.{layer}/{what}"
 
 
-def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None) -> ir.Model:
-    """The switchboard of KINDS reduced to the fit taps of every sequential block (no logits, no KV cache):
-    attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post, whatever the switches
-    (each block's mlp is evaluated a second time, on the input its branch does not read)."""
+def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Collection[int] | None = None,
+              resume: int | None = None, hand_on: int | None = None) -> ir.Model:
+    """The switchboard of KINDS reduced to the fit taps of the sequential blocks in `layers` (all when None; no logits,
+    no KV cache): attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post, whatever the
+    switches (each block's mlp is evaluated a second time, on the input its branch does not read).
+
+    resume: block `resume` reads its resid_pre from the input RESUME (as an earlier pass handed it on), so the blocks
+    before it compute nothing; hand_on: output block `hand_on`'s resid_pre as STREAM. Nothing after the last block
+    whose taps or stream are asked for is computed: ORT runs a whole graph whatever outputs a run asks for."""
     board = board_graph.switchboard(model, KINDS, fixes, taps=_fit_taps)
-    taps = [v for v in board.graph.outputs if v.name.startswith("surgery/fit/")]
-    board.graph.outputs.clear()
-    board.graph.outputs.extend(taps)
+    g = board.graph
+    wanted = None if layers is None else {fit_tap(l, w) for l in layers for w in FIT_TAPS}
+    taps = [v for v in g.outputs if v.name.startswith("surgery/fit/") and (wanted is None or v.name in wanted)]
+    g.outputs.clear()
+    g.outputs.extend(taps)
+    blocks = {b.layer: b for b in find_blocks(model)}
+    values, stream_type = values_by_name(board), ir.TensorType(stream_dtype(model))
+    if hand_on is not None:
+        out = Emitter("", graph=g).op("Identity", [values[blocks[hand_on].resid_pre]], STREAM)
+        out.type, out.shape = stream_type, ir.Shape(["batch", "pos", "d_model"])
+        g.outputs.append(out)
+    if resume is not None:
+        stream = values[blocks[resume].resid_pre]
+        cut = ir.Value(name=RESUME, type=stream_type, shape=ir.Shape(["batch", "pos", "d_model"]))
+        for user, i in list(stream.uses()):
+            user.replace_input_with(i, cut)
+        g.inputs.append(cut)
     RemoveUnusedNodesPass()(board)
-    used = [v for v in board.graph.inputs if v.uses()]
-    board.graph.inputs.clear()
-    board.graph.inputs.extend(used)
+    used = [v for v in g.inputs if v.uses()]
+    g.inputs.clear()
+    g.inputs.extend(used)
     return board
 
 
@@ -229,6 +256,63 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: s
         g.outputs.append(value)
 
 
+class Accumulator:
+    """One pass's fit graph in a session, and the normal equations of some of the windows: what this process holds,
+    or each Ray actor (`cluster.Pool`), for one pass."""
+
+    def __init__(self, graph: ir.Model, options: runtime.Options = runtime.Options()):
+        self.session = runtime.session(graph, options)
+        names = {arg.name for arg in self.session.get_inputs()} | {arg.name for arg in self.session.get_outputs()}
+        self.resumes, self.hands_on = RESUME in names, STREAM in names
+
+    def run(
+        self,
+        chunk: list[int],
+        ids: np.ndarray,
+        first: int,
+        switches: np.ndarray,
+        state: tuple[dict[int, Fix], set[int], set[int]] = ({}, set(), set()),
+        streams: list[np.ndarray] | None = None,
+        drift: dict[int, list[np.ndarray]] | None = None,
+        keep: bool = False,
+        progress: Callable[[], None] | None = None,
+    ) -> tuple[dict[int, NormalEquations], list[np.ndarray], dict[int, list[np.ndarray]], dict[str, float]]:
+        """The sums of `chunk`'s layers over the windows `ids` (row j is window first + j: fold (first + j) % 2); the
+        stream the graph hands on, per window; each layer's resid_post when `keep`; the seconds of forward and
+        accumulate. state: the fixes in the graph and the layers switched to parallel and to compensated.
+        streams: per window, the stream into the pass's first block (when the graph resumes); drift: this run's
+        rows of the drift targets."""
+        fixes, parallel_on, fixed_on = state
+        sums: dict[int, NormalEquations] = {}
+        handed: list[np.ndarray] = []
+        kept: dict[int, list[np.ndarray]] = {}
+        clock = {"forward": 0.0, "accumulate": 0.0}
+        names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS] + ([STREAM] if self.hands_on else [])
+        for j in range(len(ids)):
+            extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}
+            feed = runtime.feeds(self.session, ids[j : j + 1], extra=extra)
+            start = time.perf_counter()
+            out = dict(zip(names, self.session.run(names, feed)))
+            clock["forward"] += time.perf_counter() - start
+            if self.hands_on:
+                handed.append(out[STREAM])
+            start = time.perf_counter()
+            for layer in chunk:  # token 0, the attention sink, left out
+                attn_out, mlp_x, delta, resid_post = (out[fit_tap(layer, w)][0, 1:] for w in FIT_TAPS)
+                if keep:
+                    kept.setdefault(layer, []).append(resid_post.astype(np.float32))
+                if drift is not None:  # target y - (x' + A' + P'), from y' = x' + A' + (P' + delta, P' + fix, or P')
+                    correction = delta if layer not in parallel_on else (
+                        fixes[layer].apply(attn_out, mlp_x) if layer in fixed_on else 0.0)
+                    delta = (drift[layer][j] - resid_post + correction).astype(mlp_x.dtype)
+                    resid_post = drift[layer][j]
+                sums.setdefault(layer, NormalEquations(attn_out.shape[-1])).update((first + j) % 2, attn_out, mlp_x, delta, resid_post)
+            clock["accumulate"] += time.perf_counter() - start
+            if progress:
+                progress()
+        return sums, handed, kept, clock
+
+
 def fit(
     model: ir.Model,
     windows: Windows,
@@ -240,6 +324,7 @@ def fit(
     ridges=RIDGES,
     memory_bytes: int = MEMORY_BYTES,
     options: runtime.Options = runtime.Options(),
+    pool: cluster.Pool | None = None,
     progress: Progress | None = None,
     keep_stream: dict[int, list[np.ndarray]] | None = None,
     drift: dict[int, list[np.ndarray]] | None = None,
@@ -249,13 +334,19 @@ def fit(
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
     block's uncompensated scores.
 
+    The layers are fitted in passes over the windows, as many at a time as `memory_bytes` holds (module docstring).
+    Each pass runs only its own blocks: it starts from the stream the pass before handed on (kept per window) and
+    stops after its last block, so all the passes together cost about one forward pass over the windows.
+
     fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
     graph holds, `on` the switches turned on, e.g. {("parallelize",): {3, 7}, ("compensate",): {3}}.
+    pool: Ray actors (cluster.pool(workers=...)) each accumulate the sums of one contiguous run of the windows, and
+    this process adds them in window order; None or an in-process pool: one session here, window by window.
     keep_stream: receives each fitted block's resid_post on every window (token 0 left out, float32), for `drift`.
     drift: the original model's resid_post, as keep_stream kept it on the same windows: fit the drift-correcting
     fix (module docstring) under `fixes` / `on` instead of the defect's.
     seconds: receives where the time went, added to what it holds: forward (the graph's runs), accumulate (the
-    float64 sums) and solve (the ridge choice and the solve).
+    float64 sums; on Ray, both summed over the actors) and solve (the ridge choice and the solve).
     """
     clock = {"forward": 0.0, "accumulate": 0.0, "solve": 0.0} if seconds is None else seconds
     for key in ("forward", "accumulate", "solve"):
@@ -266,7 +357,6 @@ def fit(
     n, table = len(blocks), embedding_table(model)
     if table is None:
         raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
-    d_model = table[1]
     no_fold = {b.layer: _no_fold(model, b) for b in blocks if not b.is_parallel}
     for block in (b for b in blocks if layers is not None and b.layer in layers):
         if block.is_parallel or no_fold[block.layer]:
@@ -277,35 +367,49 @@ def fit(
     todo = [b.layer for b in blocks if not b.is_parallel and (layers is None or b.layer in layers)]
     if not todo:
         return {}
-    session = runtime.session(fit_graph(model, fixes), options)
-    feed_switches = board_graph.switches(KINDS, n, on)
-    parallel_on, fixed_on = (set((on or {}).get(kind, ())) for kind in KINDS)
-    chunks = _chunks(todo, d_model, memory_bytes)
+    pool = pool or cluster.Pool()
+    switches = board_graph.switches(KINDS, n, on)
+    state = (fixes or {}, *(set((on or {}).get(kind, ())) for kind in KINDS))
+    keep = keep_stream is not None
+    runs = [(int(r[0]), int(r[-1]) + 1) for r in np.array_split(np.arange(len(windows)), max(1, pool.workers)) if len(r)]
     results: dict[int, FitResult] = {}
+    chunks = _chunks(todo, table[1], memory_bytes // pool.copies)
     done, total = 0, len(chunks) * len(windows)
-    for chunk in chunks:
-        sums = {layer: NormalEquations(d_model) for layer in chunk}
-        names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS]
-        for i in range(len(windows)):
-            feed = runtime.feeds(session, windows.ids[i : i + 1], extra={board_graph.SWITCHES: feed_switches})
+
+    def tick(count: int = 1) -> None:
+        nonlocal done
+        done += count
+        if progress:
+            progress(done, total)
+
+    streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
+    for c, chunk in enumerate(chunks):
+        graph = fit_graph(model, fixes, chunk, resume=chunk[0] if c else None, hand_on=chunks[c + 1][0] if c + 1 < len(chunks) else None)
+        if pool.distributed:  # one contiguous run of windows per actor
+            actors = pool.actors(graph, functools.partial(Accumulator, options=pool.options(options)))
+            jobs = [(chunk, windows.ids[a:b], a, switches, state, None if streams is None else streams[a:b],
+                     None if drift is None else {l: drift[l][a:b] for l in chunk}, keep) for a, b in runs]
+            parts = actors.map("run", jobs)
+        else:
+            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift, keep, progress=tick)]
+        del graph
+        sums: dict[int, NormalEquations] = {}
+        streams = []
+        for (a, b), (part, handed, kept, part_clock) in zip(runs if pool.distributed else [(0, len(windows))], parts):  # in window order
             start = time.perf_counter()
-            out = dict(zip(names, session.run(names, feed)))
-            clock["forward"] += time.perf_counter() - start
-            start = time.perf_counter()
-            for layer in chunk:  # token 0, the attention sink, left out
-                attn_out, mlp_x, delta, resid_post = (out[fit_tap(layer, w)][0, 1:] for w in FIT_TAPS)
-                if keep_stream is not None:
-                    keep_stream.setdefault(layer, []).append(resid_post.astype(np.float32))
-                if drift is not None:  # target y - (x' + A' + P'), from y' = x' + A' + (P' + delta, P' + fix, or P')
-                    correction = delta if layer not in parallel_on else (
-                        fixes[layer].apply(attn_out, mlp_x) if layer in fixed_on else 0.0)
-                    delta = (drift[layer][i] - resid_post + correction).astype(mlp_x.dtype)
-                    resid_post = drift[layer][i]
-                sums[layer].update(i % 2, attn_out, mlp_x, delta, resid_post)
+            for layer, eq in part.items():
+                if layer in sums:
+                    sums[layer].add(eq)
+                else:
+                    sums[layer] = eq
+            streams.extend(handed)
+            for layer, kept_streams in kept.items():
+                keep_stream.setdefault(layer, []).extend(kept_streams)
             clock["accumulate"] += time.perf_counter() - start
-            done += 1
-            if progress:
-                progress(done, total)
+            for key, value in part_clock.items():
+                clock[key] += value
+            if pool.distributed:
+                tick(b - a)
         start = time.perf_counter()
         for layer in chunk:
             results[layer] = sums[layer].solve(layer, kind, ridges, defect=drift is None)
@@ -322,25 +426,22 @@ def _chunks(layers: list[int], d_model: int, memory_bytes: int) -> list[list[int
     return [layers[i : i + per_chunk] for i in range(0, len(layers), per_chunk)]
 
 
-def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES) -> int:
+def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES, pool: cluster.Pool | None = None) -> int:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None)."""
     table = embedding_table(model)
     todo = [b.layer for b in find_blocks(model) if not b.is_parallel and (layers is None or b.layer in layers)]
-    return len(_chunks(todo, table[1], memory_bytes)) if todo and table else 0
+    return len(_chunks(todo, table[1], memory_bytes // (pool or cluster.Pool()).copies)) if todo and table else 0
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def memory_bound(text: str | int | None) -> int:
-    """--fit-memory: bytes the normal equations of one pass may take: `auto` (a quarter of the memory free now,
-    at least 256 MiB), or a size such as 512M, 4G, 1.5GiB."""
+    """--fit-memory: bytes the normal equations of one pass may take: `auto` (a quarter of the memory available
+    now, at least 256 MiB), or a size such as 512M, 4G, 1.5GiB."""
     if text is None or str(text).strip().lower() == "auto":
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return MEMORY_BYTES
-        return max(int(MEMORY_SHARE * free), 256 << 20)
+        free = available_memory()
+        return MEMORY_BYTES if free is None else max(int(MEMORY_SHARE * free), 256 << 20)
     if isinstance(text, int):
         size = text
     else:
@@ -351,6 +452,22 @@ def memory_bound(text: str | int | None) -> int:
     if size <= 0:
         raise SurgeryError(f"--fit-memory {text!r}: give a positive size such as 512M or 4G, or auto")
     return size
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now: Linux's MemAvailable (free memory and the page cache
+    it can drop, such as the model files just read), else the free pages; None when neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _no_fold(model: ir.Model, block: BlockMap) -> str | None:

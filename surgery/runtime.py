@@ -85,8 +85,13 @@ def clashing_builds() -> str | None:
 _ORT_BUILDS = {"onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn"}
 
 
+DEVICES = ("auto", "cuda", "cpu")
+
+
 def providers(device: str = "auto") -> tuple[str, ...]:
     """Execution providers for `device`: CUDA first when asked for (or usable, for auto), then CPU."""
+    if device not in DEVICES:
+        raise SurgeryError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
     if device == "cpu" or (device == "auto" and not cuda_usable()):
         return (CPU,)
     if device == "cuda" and not cuda_usable():

@@ -190,7 +190,7 @@ def select_layers(
     """Greedy selection of blocks to parallelize (see the module docstring). `windows` are the
     selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted.
     patience: stop after this many candidates in a row miss the budget (None or 0: try them all).
-    pool: where each trial's batches of selection windows are scored (Ray actors, or this process).
+    pool: where the fit's windows and each trial's batches of selection windows are run (Ray actors, or this process).
     fit_memory: the bytes one fit pass's normal equations may take (compensation.memory_bound: None is auto)."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
@@ -209,8 +209,8 @@ def select_layers(
     start = time.perf_counter()
     if fit is not None:
         memory = compensation.memory_bound(fit_memory)
-        fit_passes = compensation.passes(model, memory_bytes=memory)
-        fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, seconds=fit_seconds,
+        fit_passes = compensation.passes(model, memory_bytes=memory, pool=pool)
+        fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=fit_seconds,
                                 progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
         stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
         stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
@@ -279,8 +279,8 @@ def select_layers(
     if refit and compensated:
         start = time.perf_counter()
         on = {KINDS[0]: set(chosen), KINDS[1]: compensated}
-        fit_passes += compensation.passes(model, compensated, memory)
-        again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory,
+        fit_passes += compensation.passes(model, compensated, memory, pool)
+        again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory, pool=pool,
                                  seconds=fit_seconds, progress=lambda d, t: tell("refit", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
@@ -407,7 +407,7 @@ def auto(
     """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path.
     greedy: how select_layers chooses (score, budget, max_layers, patience, protect_first, protect_last,
     try_both, refit). workers / ray: the selection's trials are scored on a local Ray cluster of that many
-    CPUs / on the Ray cluster at that address (the fit pass and the evaluation stay in this process).
+    CPUs / on the Ray cluster at that address, and so is the fit pass (the evaluation stays in this process).
 
     Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
     dNLL checks); the reported dNLL is on the disjoint evaluation windows.
@@ -426,7 +426,7 @@ def auto(
     else:
         fit_part, sel = None, get("calibration", windows)
     ev = get("evaluation", eval_windows)
-    with cluster.pool(workers, ray) as pool:
+    with cluster.pool(workers, ray, device=options.device) as pool:
         selection = select_layers(model, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
     rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).

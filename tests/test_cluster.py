@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -10,6 +11,7 @@ from surgery import cluster, runtime
 from surgery.cli import app
 from surgery.diagnostics import diagnose
 from surgery.diagnostics.diagnose import _diagnose
+from surgery.errors import SurgeryError
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
 
@@ -90,3 +92,72 @@ def test_auto_selection_on_ray_actors_equals_the_in_process_run(fixture_path, tm
         assert (a.layer, a.form, a.kept) == (b.layer, b.form, b.kept)
         assert b.dnll == pytest.approx(a.dnll, rel=1e-9, abs=1e-12)
         assert b.kl == pytest.approx(a.kl, rel=1e-9, abs=1e-12)  # the reference log-probs travel to the actors
+    assert there.selection.c_comp == pytest.approx(here.selection.c_comp, rel=1e-9)  # the fit ran on the actors too
+
+
+def _fit_numbers(fits: dict) -> dict:
+    out = {}
+    for layer, r in fits.items():
+        out[layer] = [r.ridge, r.residual, r.c_comp, *r.scores.values()]
+        out[layer] += [np.asarray(part, np.float64) for part in (r.fix.w_a, r.fix.w_p, r.fix.b)]
+    return out
+
+
+def test_fit_on_a_local_2_cpu_ray_cluster_equals_the_in_process_fit(fixture_path):
+    """Each actor sums the normal equations of one contiguous run of windows; the driver adds them in window order.
+    Two actors' sums take three times one pass's memory on this machine, so a bound of three layers' sums makes
+    one pass in process and three on the local cluster: the passes are counted with the actors' copies."""
+    pytest.importorskip("ray")
+    from surgery import compensation, data, graph
+
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=16, max_windows=7, part="calibration")  # 7: the actors' runs differ in length
+    bound = 3 * compensation.NormalEquations.nbytes(compensation.embedding_table(model)[1])
+    kept_here, kept_there, seconds = {}, {}, {}
+    here = compensation.fit(model, windows, memory_bytes=bound, keep_stream=kept_here)
+    with cluster.pool(workers=2) as pool:
+        assert (pool.copies, compensation.passes(model, memory_bytes=bound, pool=pool), compensation.passes(model, memory_bytes=bound)) == (3, 3, 1)
+        done = []
+        there = compensation.fit(model, windows, memory_bytes=bound, pool=pool, keep_stream=kept_there, seconds=seconds,
+                                 progress=lambda d, t: done.append((d, t)))
+    assert done[-1] == (3 * len(windows), 3 * len(windows)) and seconds["forward"] > 0
+    a, b = _fit_numbers(here), _fit_numbers(there)
+    assert a.keys() == b.keys() == {0, 1, 2}
+    for layer in a:
+        for x, y in zip(a[layer], b[layer]):
+            np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-12, err_msg=f"block {layer}")
+    for layer in kept_here:  # each window's stream, in window order
+        assert len(kept_there[layer]) == len(windows)
+        for x, y in zip(kept_here[layer], kept_there[layer]):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_gpu_share_of_each_actor():
+    assert cluster._gpu_share("cpu", 8, 2) == 0 and cluster._gpu_share("auto", 0, 2) == 0
+    assert cluster._gpu_share("auto", 2, 4) == 0.5 and cluster._gpu_share("cuda", 8, 2) == 1.0
+    with pytest.raises(SurgeryError, match="^--device cuda: the Ray cluster has no GPU"):
+        cluster._gpu_share("cuda", 0, 2)
+
+
+def test_cuda_actors_that_cannot_run_on_cuda_fail_in_one_line(fixture_path, tmp_path):
+    """A local cluster declaring two GPUs that this machine does not have: each actor gets one (num_gpus) and runs
+    with --device cuda, and its session cannot start there; a cluster with no GPU at all fails before any actor starts."""
+    pytest.importorskip("ray")
+    from surgery import compensation, data, graph
+
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=16, max_windows=2, part="calibration")
+    if runtime.cuda_usable():
+        pytest.skip("CUDA works here: the actors would run")
+    with cluster.pool(workers=2, gpus=2, device="cuda") as pool:
+        assert pool.gpus == 1.0 and pool.options(runtime.Options()).device == "cuda"
+        with pytest.raises(SurgeryError) as error:
+            compensation.fit(model, windows, pool=pool)
+    message = str(error.value)
+    assert message.startswith("on the Ray worker at ") and "CUDA is not usable" in message and "\n" not in message
+    with pytest.raises(SurgeryError, match="no GPU"), cluster.pool(workers=2, gpus=0, device="cuda"):
+        pass
+    result = CliRunner().invoke(app, ["parallelize", str(path), "-o", str(tmp_path / "out"), "--workers", "2", "--device", "cuda"])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -134,5 +134,29 @@ def test_the_fit_makes_as_many_passes_as_the_memory_bound_needs_and_says_so(fixt
     assert set(steps) == {3 * len(windows)} and len(steps) == 3 * len(windows)  # one pass over the windows per layer
     whole = compensation.fit(model, windows)
     for layer, f in whole.items():  # the same sums, whichever chunk a layer is in
-        np.testing.assert_allclose(chunked[layer].fix.w_p, f.fix.w_p, rtol=1e-9, atol=1e-12)
+        for part in ("w_a", "w_p", "b"):
+            np.testing.assert_allclose(getattr(chunked[layer].fix, part), getattr(f.fix, part), rtol=1e-9, atol=1e-12)
         assert chunked[layer].ridge == f.ridge
+
+
+def test_a_pass_runs_only_its_own_blocks(fixture_path):
+    """The pass of block 1 starts from the stream handed on by the pass of block 0 and stops after block 1: it has
+    a third of the whole fit graph's MatMuls; its taps equal the whole graph's."""
+    from surgery import runtime
+    from surgery.analysis.switchboard import SWITCHES, switches
+
+    model = graph.load(fixture_path("llama"))
+    whole = compensation.fit_graph(model)
+    first = compensation.fit_graph(model, layers=[0], hand_on=1)
+    middle = compensation.fit_graph(model, layers=[1], resume=1, hand_on=2)
+    matmuls = lambda m: sum(n.op_type == "MatMul" for n in m.graph.all_nodes())  # noqa: E731
+    assert compensation.RESUME in {v.name for v in middle.graph.inputs}
+    assert (matmuls(whole), matmuls(middle)) == (3 * 12 + 1, 12 + 1)  # a block's 12 (7 projections, 2 attention, the twin mlp's 3), the rotary angles' 1
+    ids = data.windows(fixture_path("llama"), seq_len=16, max_windows=1, part="calibration").ids
+    run = lambda m, extra: (s := runtime.session(m)).run(None, runtime.feeds(s, ids, extra={SWITCHES: switches(compensation.KINDS, 3), **extra}))  # noqa: E731
+    names = lambda m: [v.name for v in m.graph.outputs]  # noqa: E731
+    full = dict(zip(names(whole), run(whole, {})))
+    stream = dict(zip(names(first), run(first, {})))[compensation.STREAM]
+    for name, value in zip(names(middle), run(middle, {compensation.RESUME: stream})):
+        if name != compensation.STREAM:
+            np.testing.assert_array_equal(value, full[name], err_msg=name)

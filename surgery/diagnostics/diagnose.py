@@ -49,7 +49,7 @@ def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | N
     on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run, which
     runs two jobs (windows, chunks of loss runs) at a time when ORT picks the threads (cluster.concurrency)."""
     options = runtime.analysis(kwargs.pop("options", runtime.Options()))
-    with cluster.pool(workers, ray, concurrent=cluster.concurrency(options)) as pool:
+    with cluster.pool(workers, ray, concurrent=cluster.concurrency(options), device=options.device) as pool:
         return _diagnose(model_path, pool=pool, options=options, **kwargs)
 
 
