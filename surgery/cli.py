@@ -213,7 +213,7 @@ def parallelize(
     repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 20,
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
-    workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery[ray]').")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').")] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="auto: run the fit pass and the selection trials on the Ray cluster at ADDRESS.")] = None,
     device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`; with --workers / --ray, where the actors run (cuda: one GPU each).")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
@@ -395,7 +395,7 @@ def diagnose(
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
     device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.")] = "auto",
-    workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery[ray]').")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').")] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Score the windows on the Ray cluster at ADDRESS (one actor per CPU).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:

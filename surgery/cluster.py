@@ -13,7 +13,10 @@ runs scale better over runs than over the threads of one run.
 The driver reduces the results, in job order, so a sum over windows adds the same numbers in the same
 order whichever way they were computed. Ray is optional: `pip install 'surgery[ray]'`. Each actor takes one
 CPU and runs its session with one intra-op thread; a model's external data files must be on a path every
-worker can read.
+worker can read. With `device` cuda (or auto on a cluster that has GPUs) each actor also asks Ray for a GPU
+(num_gpus 1, or an equal share when the cluster has fewer GPUs than actors) and runs on CUDA; an actor whose
+session cannot start there fails the run in one line naming its host. A value every job reads (the
+reference log-probs) goes to the object store once (`share`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ class Local:
     def __init__(self, obj: Any, concurrent: int = 1):
         self.obj, self.concurrent = obj, concurrent
 
+    def share(self, value: Any) -> Any:
+        """A value many jobs read, handed over once (here: itself)."""
+        return value
+
     def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
         call = lambda args: getattr(self.obj, method)(*args, **common)  # noqa: E731
         if self.concurrent == 1:
@@ -58,6 +65,13 @@ class Remote:
         import ray.util
 
         self._pool = ray.util.ActorPool(actors)
+
+    def share(self, value: Any) -> Any:
+        """A value many jobs read, put in Ray's object store once: a job argument that is the returned reference
+        reaches the actor as the value, without travelling with every job."""
+        import ray
+
+        return ray.put(value)
 
     def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
         import ray.exceptions
@@ -193,6 +207,7 @@ def _holder():
             def call(self, method: str, args: tuple, common: dict):
                 if self.failed is not None:
                     raise self.failed
+                args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)  # Remote.share's values
                 try:
                     return getattr(self.obj, method)(*args, **common)
                 except SurgeryError as e:

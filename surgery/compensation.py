@@ -14,7 +14,11 @@ one-pass score C_l^comp = E|delta - fit|^2 / E|y|^2.
 
 Memory: each layer's sums take 2 (2d + 1)(3d + 1) doubles: 32 MB at d_model 576, 1.6 GB at 4096.
 Layers are fitted in chunks that stay within `memory_bytes` (one pass over the windows per chunk,
-at least one layer per chunk), so the bound is max(memory_bytes, one layer's sums).
+at least one layer per chunk), so the bound is max(memory_bytes, one layer's sums). A pass runs only
+its own blocks: it starts from the stream into its first block that the pass before handed on (one
+[tokens, d_model] float32 array per window) and stops after its last block, so the passes together cost
+one forward pass over the windows however many there are. On Ray (`pool`) each actor sums one contiguous
+run of the windows and the driver adds the actors' sums in window order.
 Token 0 (the attention sink) is left out, as in every diagnostic.
 
 Drift-correcting fit (`drift`): with chosen blocks already rewritten (switched on), a block's fix is instead fitted
@@ -108,6 +112,11 @@ class NormalEquations:
         self.dd[fold] += float(np.sum(delta.astype(np.float64) ** 2))
         self.yy[fold] += float(np.sum(resid_post.astype(np.float64) ** 2))
         self.tokens[fold] += n
+
+    def copy(self) -> "NormalEquations":
+        new = NormalEquations.__new__(NormalEquations)
+        new.zz, new.zd, new.dd, new.yy, new.tokens = (a.copy() for a in (self.zz, self.zd, self.dd, self.yy, self.tokens))
+        return new
 
     def add(self, other: "NormalEquations") -> None:
         """Add another's sums (of other windows) to these."""
@@ -400,8 +409,8 @@ def fit(
             for layer, eq in part.items():
                 if layer in sums:
                     sums[layer].add(eq)
-                else:
-                    sums[layer] = eq
+                else:  # what a Ray actor returned is read-only
+                    sums[layer] = eq if eq.zz.flags.writeable else eq.copy()
             streams.extend(handed)
             for layer, kept_streams in kept.items():
                 keep_stream.setdefault(layer, []).extend(kept_streams)

@@ -118,6 +118,7 @@ class Selection:
     fit_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # the fit's (and refit's) forward / accumulate / solve
     candidates: int = 0  # sequential blocks that could be chosen, ranked
     stopped: str | None = None  # why the greedy stopped before the last candidate
+    fit_memory: int | None = None  # the bytes one fit pass's normal equations could take (--fit-memory)
 
     @property
     def uncompensated(self) -> dict[int, str]:
@@ -155,7 +156,7 @@ class Selection:
             "divergence": None if self.divergence is None else self.divergence.to_json(),
             "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit,
             "uncompensated": {str(k): v for k, v in self.uncompensated.items()},
-            "fit_passes": self.fit_passes, "fit_seconds": self.fit_seconds, "forward_passes": self.forward_passes,
+            "fit_passes": self.fit_passes, "fit_memory": self.fit_memory, "fit_seconds": self.fit_seconds, "forward_passes": self.forward_passes,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
@@ -236,14 +237,14 @@ def select_layers(
                              extra={board_graph.SWITCHES: board_graph.switches(KINDS, n)}))
     passes = 1
     base = evaluate.joined([p for p, _ in parts])
-    reference = [r for _, refs in parts for r in refs]  # the original's log-probs on each batch: [BATCH, seq, vocab] float32
+    reference = [scorers.share([r]) for _, refs in parts for r in refs]  # the original's log-probs on each batch: [BATCH, seq, vocab] float32, sent to Ray actors once
 
     def loss(forms: dict[int, str], scorers=scorers) -> tuple[Delta, evaluate.Divergence]:
         nonlocal passes
         passes += 1
         on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
         extra = {board_graph.SWITCHES: board_graph.switches(KINDS, n, on)}
-        jobs = [(batch, [ref]) for batch, ref in zip(batches, reference)]
+        jobs = list(zip(batches, reference))
         p = evaluate.joined(list(scorers.map("against", jobs, batch_size=BATCH, extra=extra)))
         return evaluate.delta(base, p), evaluate.divergence(p)
 
@@ -312,6 +313,7 @@ def select_layers(
         seconds=seconds,
         candidates=len(candidates),
         stopped=stopped,
+        fit_memory=memory if fit is not None else None,
     )
 
 

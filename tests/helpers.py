@@ -44,10 +44,10 @@ def save_tiny(family: str, folder: Path, seed: int = 0, **config) -> Path:
     return folder
 
 
-def logits(model: ir.Model, ids: np.ndarray = IDS) -> np.ndarray:
-    """The graph's logits on `ids`: [batch, pos, vocab]."""
+def logits(model: ir.Model, ids: np.ndarray = IDS, extra: dict | None = None) -> np.ndarray:
+    """The graph's logits on `ids`: [batch, pos, vocab] (extra: inputs surgery added, such as a switchboard's)."""
     session = runtime.session(model)
-    return session.run(["logits"], runtime.feeds(session, ids))[0]
+    return session.run(["logits"], runtime.feeds(session, ids, extra=extra))[0]
 
 
 class Exported:

@@ -14,6 +14,7 @@ LAYOUT = {
     "qwen2": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
     "mistral": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
     "phi3": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
+    "granite": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),  # the hooks see the branches before residual_multiplier
     # the branch outputs are normalised: attn_out and mlp_out are the post-norms' outputs
     "gemma2": ("model.layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
     "olmo2": ("model.layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp"),

@@ -92,3 +92,28 @@ def test_compensated_kv_cache_folder_generates_like_the_hooked_model(tmp_path, t
     with Edits(tiny.torch, {0, 2}, fixes=arrays), torch.no_grad():
         expected = tiny.torch.generate(prompt, **kwargs)
     np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def test_residual_multipliers_fold_into_the_projections(tiny_export):
+    """Granite scales each branch output by residual_multiplier (0.4 here) before the residual add. The fix acts on
+    the scaled outputs A, P; the hooked model sees the branches before the scale, so it adds A w_a + P w_p + b / 0.4
+    there. Compensated (written and switched in a switchboard) and fused blocks keep the scale."""
+    from surgery.analysis import switchboard as board_graph
+    from surgery.nodes import values_by_name
+    from surgery.passes import projection
+
+    tiny = Exported(tiny_export("granite", seed=5))
+    c = tiny.torch.config.residual_multiplier
+    model, layers = tiny.onnx, {0, 2}
+    block = find_blocks(model)[0]
+    assert projection.producing(values_by_name(model)[block.mlp_out], 0, "mlp_out").scale == pytest.approx(c)
+    arrays = planted(tiny.torch.config.hidden_size, layers)
+    fixes = {l: Fix(*a) for l, a in arrays.items()}
+    expected = edited_logits(tiny.torch, IDS, parallel=layers, fixes={l: (w_a, w_p, b / c) for l, (w_a, w_p, b) in arrays.items()})
+    assert np.abs(edited_logits(tiny.torch, IDS, parallel=layers, fixes=arrays) - expected).max() > 1e-3  # b / c matters
+    for result in (compensate(model, fixes), fuse(model, layers, fixes)):
+        np.testing.assert_allclose(logits(result.model), expected, rtol=1e-4, atol=1e-4)
+    kinds = [("parallelize",), ("compensate",)]
+    board = board_graph.switchboard(model, kinds, fixes)
+    on = board_graph.switches(kinds, 3, {kinds[0]: layers, kinds[1]: layers})
+    np.testing.assert_allclose(logits(board, extra={board_graph.SWITCHES: on}), expected, rtol=1e-4, atol=1e-4)

@@ -89,15 +89,18 @@ class Fix:
         return self.w_a is None and self.b is None and (self.w_p is None or (np.isscalar(self.w_p) and self.w_p == 0))
 
     def fold(self, attn: "Projection", mlp: "Projection") -> tuple[tuple[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray | None]]:
-        """(W_o (I + w_a), b_o (I + w_a)), (W_down (I + w_p), b_down (I + w_p) + b), float64; a missing bias stays None
-        (b_down' is b alone when the mlp had no bias)."""
+        """(W_o (I + w_a), b_o (I + w_a)), (W_down (I + w_p), b_down (I + w_p) + b / c), float64; a missing bias stays None
+        (b_down' is b / c alone when the mlp had no bias). c is mlp_out's scale (a residual multiplier, else 1): the
+        fix acts on the scaled outputs, c (h W_down + b_down) (I + w_p) + b = c (h W_down' + b_down'), and the
+        weights stay inside the scale."""
 
         def times(x, w):
             return None if x is None else _times_one_plus(x, w)
 
         b_down = times(mlp.bias, self.w_p)
         if self.b is not None:
-            b_down = np.asarray(self.b, np.float64) if b_down is None else b_down + self.b
+            b = np.asarray(self.b, np.float64) / mlp.scale
+            b_down = b if b_down is None else b_down + b
         return (times(attn.weight, self.w_a), times(attn.bias, self.w_a)), (times(mlp.weight, self.w_p), b_down)
 
     def apply(self, attn_out: np.ndarray, mlp_out: np.ndarray) -> np.ndarray:

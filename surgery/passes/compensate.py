@@ -115,8 +115,8 @@ def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
             node.replace_input_with(i, e.op("Where", [on, bias, node.inputs[i]], f"{what}/bias_on"))
             continue
         zeros = board.weight(f"{prefix}/{what}/no_bias", np.zeros(len(b), b.dtype))
-        uses = list(p.output.uses())
-        added = e.op("Add", [p.output, e.op("Where", [on, bias, zeros], f"{what}/bias_on")], f"{what}/out")
+        uses = list(p.unscaled.uses())
+        added = e.op("Add", [p.unscaled, e.op("Where", [on, bias, zeros], f"{what}/bias_on")], f"{what}/out")
         for user, i in uses:
             user.replace_input_with(i, added)
 

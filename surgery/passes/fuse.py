@@ -118,6 +118,8 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
     w_in = np.concatenate([w for w, _ in folded], axis=1).astype(np_dtype)
     b_in = np.concatenate([b for _, b in folded]).astype(np_dtype)
     (w_o, b_o), (w_down, b_down) = fix.fold(attn_out, mlp_out)
+    scaled = lambda x, p: None if x is None else x * p.scale  # noqa: E731  a residual multiplier goes into the fused weights
+    w_o, b_o, w_down, b_down = scaled(w_o, attn_out), scaled(b_o, attn_out), scaled(w_down, mlp_out), scaled(b_down, mlp_out)
     out_dtype = np.result_type(attn_out.weight, mlp_out.weight)
     w_out = np.concatenate([w_o, w_down], axis=0).astype(out_dtype)
     b_out = sum((b for b in (b_o, b_down) if b is not None), np.zeros(w_out.shape[1])).astype(out_dtype)

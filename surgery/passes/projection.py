@@ -1,4 +1,5 @@
-"""Linear projections as the graph computes them: MatMul(x, W) [+ b], or Reshape-Gemm-Reshape (optimum's GPT-2).
+"""Linear projections as the graph computes them: MatMul(x, W) [+ b], or Reshape-Gemm-Reshape (optimum's GPT-2);
+a branch output may scale one by a constant before the residual add (Granite's residual_multiplier).
 
 Passes that fold something into a block's weights find them here, and write new weights back as
 new initializers (the old ones, maybe on external data, are never modified).
@@ -27,11 +28,23 @@ class Projection:
     node: ir.Node  # the MatMul or Gemm
     transposed: bool = False  # Gemm with transB: the initializer holds weight.T
     bias_site: tuple[ir.Node, int] | None = None  # (node, input index) of the bias constant
+    scale: float = 1.0  # a branch output: output = scale * (input @ weight + bias), the scale a Mul by a constant
+    linear: ir.Value | None = None  # the value before that Mul (None: output itself)
+
+    @property
+    def unscaled(self) -> ir.Value:
+        """input @ weight + bias, before the scale: where a bias the projection did not have goes."""
+        return self.output if self.linear is None else self.linear
 
 
 def constant(value: ir.Value | None) -> np.ndarray | None:
-    """The array of a constant value (an initializer), else None."""
-    if value is None or value.const_value is None or value.shape is None:
+    """The array of a constant value (an initializer, or a Constant node's tensor), else None."""
+    if value is None:
+        return None
+    node = value.producer()
+    if value.const_value is None and node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].value.numpy()
+    if value.const_value is None or value.shape is None:
         return None
     return value.const_value.numpy()
 
@@ -88,7 +101,12 @@ def _gemm_after(reshape: ir.Node, source: ir.Value) -> Projection | None:
 
 
 def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projection:
-    """The projection producing a branch output: MatMul(h, W) [+ b], or Reshape-Gemm-Reshape."""
+    """The projection producing a branch output: MatMul(h, W) [+ b], or Reshape-Gemm-Reshape, maybe scaled by a
+    constant after it (Mul by a one-element constant: a residual multiplier)."""
+    scaled = _scaled(out)
+    if scaled is not None:
+        linear, scale = scaled
+        return dataclasses.replace(producing(linear, layer, what, why), output=out, scale=scale, linear=linear)
     node, bias, site = out.producer(), None, None
     if node is not None and node.op_type == "Add":
         for i in (0, 1):
@@ -108,6 +126,19 @@ def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projec
     raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is not a MatMul or Gemm with constant weights")
 
 
+def _scaled(out: ir.Value) -> tuple[ir.Value, float] | None:
+    """(x, c) when `out` is Mul(x, c) or Mul(c, x) with c a one-element constant and x read by that Mul alone."""
+    node = out.producer()
+    if node is None or node.op_type != "Mul":
+        return None
+    for i in (0, 1):
+        c = constant(node.inputs[i])
+        x = node.inputs[1 - i]
+        if c is not None and c.size == 1 and x is not None and constant(x) is None and len(x.uses()) == 1:
+            return x, float(c.reshape(()))
+    return None
+
+
 def rounded(p: Projection, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
     """A folded (float64) weight and bias for `p`, rounded once to the type of p's weight."""
     dtype = p.weight.dtype
@@ -118,7 +149,8 @@ def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.nda
     """Give projection `p` a new weight [in, out] and bias [out] (new initializers named `name`/...).
 
     Returns the value that now carries the projection's output: p.output, or a new bias Add when
-    the projection had no bias and `bias` is given. Old initializers left unused are dropped.
+    the projection had no bias and `bias` is given (added before a scale, as a bias the projection had: `bias`
+    is inside the scale). Old initializers left unused are dropped.
     """
     old = [p.node.inputs[1]] + ([p.bias_site[0].inputs[p.bias_site[1]]] if p.bias_site else [])
     stored = weight.T if p.transposed else weight
@@ -128,13 +160,15 @@ def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.nda
         node, index = p.bias_site
         node.replace_input_with(index, nodes.initializer(graph, f"{name}/bias", bias))
     elif bias is not None:
-        uses = list(p.output.uses())
-        add = ir.node("Add", [p.output, nodes.initializer(graph, f"{name}/bias", bias)], name=f"{name}/bias_add")
-        out = add.outputs[0]
-        out.name, out.type, out.shape = f"{name}/out", p.output.type, p.output.shape
+        inner = p.unscaled
+        uses = list(inner.uses())
+        add = ir.node("Add", [inner, nodes.initializer(graph, f"{name}/bias", bias)], name=f"{name}/bias_add")
+        added = add.outputs[0]
+        added.name, added.type, added.shape = f"{name}/out", inner.type, inner.shape
         for user, index in uses:
-            user.replace_input_with(index, out)
-        graph.insert_after(p.output.producer(), [add])
+            user.replace_input_with(index, added)
+        graph.insert_after(inner.producer(), [add])
+        out = added if p.linear is None else p.output
     for value in old:
         if value is not None and not value.uses() and value.name in graph.initializers:
             del graph.initializers[value.name]
