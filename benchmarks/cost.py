@@ -35,7 +35,9 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,67 +75,6 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rates:
-    ort: float  # ONNX Runtime float32 MatMul, FLOP/s
-    blas32: float  # NumPy float32 syrk and GEMM of the fit's shapes, FLOP/s
-    blas64: float  # NumPy float64 GEMM, FLOP/s
-    eigh: float  # seconds / k^3, symmetric (eigh)
-    eig: float  # seconds / k^3, nonsymmetric (eigvals)
-    bandwidth: float  # bytes/s of a float64 add (read two, write one)
-    write: float  # bytes/s written to disk (the rewritten model)
-
-    @classmethod
-    def measure(cls) -> Rates:
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
-
-        rng = np.random.default_rng(0)
-        d, m, t = 1024, 2816, 256
-        w = numpy_helper.from_array(rng.standard_normal((d, m)).astype(np.float32) / 32, "w")
-        g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [t, d])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [t, m])], [w])
-        sess = ort.InferenceSession(helper.make_model(g, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(),
-                                    providers=["CPUExecutionProvider"])
-        x = rng.standard_normal((t, d)).astype(np.float32)
-        ort_rate = 2 * t * d * m / _seconds(lambda: sess.run(None, {"x": x}), 20)
-        k, n = 2 * 1024 + 1, 255
-        z, delta = rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal((n, 1024)).astype(np.float32)
-        blas32 = (n * k * k + 2 * n * k * 1024) / _seconds(lambda: (z.T @ z, z.T @ delta), 10)
-        a = rng.standard_normal((k, k))
-        blas64 = 2 * k**3 / _seconds(lambda: a @ a, 3)
-        sym = a @ a.T / k + np.eye(k)
-        eigh = _seconds(lambda: np.linalg.eigh(sym), 2) / k**3
-        small = rng.standard_normal((1024, 1024))
-        eig = _seconds(lambda: np.linalg.eigvals(small), 2) / 1024**3
-        big, other = np.zeros(1 << 24), np.ones(1 << 24)
-        bandwidth = 3 * big.nbytes / _seconds(lambda: big.__iadd__(other), 10)
-        return cls(ort_rate, blas32, blas64, eigh, eig, bandwidth, _write_rate())
-
-
-def _seconds(f, repeats: int) -> float:
-    f()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        f()
-    return (time.perf_counter() - start) / repeats
-
-
-def _write_rate(nbytes: int = 512 << 20) -> float:
-    import os
-    import tempfile
-
-    block = np.random.default_rng(0).bytes(64 << 20)
-    with tempfile.NamedTemporaryFile(dir=ROOT / "out" if (ROOT / "out").is_dir() else None) as f:
-        start = time.perf_counter()
-        for _ in range(nbytes // len(block)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-        return nbytes / (time.perf_counter() - start)
-
-
-@dataclasses.dataclass(frozen=True)
 class Shape:
     d: int
     heads: int
@@ -145,6 +86,10 @@ class Shape:
     @property
     def d_kv(self) -> int:
         return self.d // self.heads * self.kv
+
+    @property
+    def k(self) -> int:
+        return 2 * self.d + 1  # the fit's features [A, P, 1]
 
     def block_params(self) -> int:
         return 2 * self.d * self.d + 2 * self.d * self.d_kv + 3 * self.d * self.mlp
@@ -159,63 +104,175 @@ class Shape:
         return per_token * tokens
 
     def head_flops(self, tokens: int) -> float:
-        return (2 * self.d * self.vocab + 8 * self.vocab) * tokens  # the head, log-softmax and the KL terms
+        return 2 * self.d * self.vocab * tokens
 
 
-def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict[str, dict]:
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What this machine does at one shape, measured (`measure`): seconds of ONNX Runtime's forward of one block
+    and of the head on 256 tokens, of one window's update of one layer's normal equations, of one layer's solve,
+    and the memory bandwidth."""
+
+    block: float  # one block's forward, 256 tokens (measured on a one-block decoder of the shape)
+    head: float  # the scored head: MatMul, LogSoftmax and the KL against a reference, 256 tokens
+    update: float  # NormalEquations.update, 255 tokens (measured at d_model min(d, 2048), scaled by k^2)
+    solve: float  # NormalEquations.solve (measured at d_model min(d, 1024), scaled by k^3)
+    bandwidth: float  # bytes/s of a float64 add (read two, write one)
+    write: float  # bytes/s written to disk
+    setup: float  # seconds per weight byte to make a session (graph, weights, ORT's optimizations)
+    arena: float  # bytes ORT holds beside the weights to run one block on 256 tokens
+
+    @classmethod
+    def measure(cls, s: Shape, scratch: Path) -> Rates:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+
+        from fixtures import big_decoder
+        from surgery import graph, runtime
+        from surgery.compensation import NormalEquations
+
+        rng = np.random.default_rng(0)
+        t = 256
+        folder = scratch / f"block-{s.d}"
+        shape = dict(d_model=s.d, n_heads=s.heads, n_kv_heads=s.kv, d_mlp=s.mlp, vocab=256, max_pos=t)
+        big_decoder.write(folder, 1, shape=shape)  # one block, a 256-token vocabulary: the head is negligible
+        before = _rss()
+        start = time.perf_counter()
+        sess = runtime.session(graph.resolve(folder))
+        setup = (time.perf_counter() - start) / (4 * s.block_params())
+        feed = runtime.feeds(sess, rng.integers(0, 256, (1, t)))
+        block = _seconds(lambda: sess.run(["logits"], feed), 5)
+        arena = max(0, _rss() - before - 4 * s.block_params())  # what ORT holds beside the weights to run one block
+        vocab = 8192  # the scored head measured on a slice of the vocabulary, scaled to the whole
+        w = numpy_helper.from_array(rng.standard_normal((s.d, vocab)).astype(np.float32) / s.d**0.5, "w")
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("LogSoftmax", ["y"], ["logp"], axis=-1),
+                 helper.make_node("Exp", ["ref"], ["p"]), helper.make_node("Sub", ["ref", "logp"], ["gap"]),
+                 helper.make_node("Mul", ["p", "gap"], ["terms"]), helper.make_node("ReduceSum", ["terms", "axes"], ["kl"], keepdims=0)]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [t, s.d]),
+                                           helper.make_tensor_value_info("ref", TensorProto.FLOAT, [t, vocab])],
+                              [helper.make_tensor_value_info("kl", TensorProto.FLOAT, [t])], [w, numpy_helper.from_array(np.array([-1]), "axes")])
+        head_sess = ort.InferenceSession(helper.make_model(g, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+        x = rng.standard_normal((t, s.d)).astype(np.float32)
+        ref = np.log(np.full((t, vocab), 1.0 / vocab, np.float32))
+        head = _seconds(lambda: head_sess.run(None, {"x": x, "ref": ref}), 5) * s.vocab / vocab
+        d = min(s.d, 2048)
+        eq = NormalEquations(d)
+        a, p, delta = (rng.standard_normal((t - 1, d)).astype(np.float32) for _ in range(3))
+        eqs = [NormalEquations(d) for _ in range(max(2, min(8, (256 << 20) // NormalEquations.nbytes(d))))]  # cold sums, as a pass over many layers
+        turn = iter(range(1 << 30))
+        update = _seconds(lambda: eqs[next(turn) % len(eqs)].update(0, a, p, delta, delta), 2 * len(eqs)) * (s.k / (2 * d + 1)) ** 2
+        d = min(s.d, 1024)
+        eq = NormalEquations(d)
+        mix = rng.standard_normal((d, d)).astype(np.float32) / d**0.5
+        for i in range(8):  # correlated features, a defect that depends on them: a solve like a real one
+            a, p = (rng.standard_normal((t - 1, d)).astype(np.float32) for _ in range(2))
+            eq.update(i % 2, a, p, (a + p) @ mix + 0.1 * rng.standard_normal((t - 1, d)).astype(np.float32), a + p)
+        solve = _seconds(lambda: eq.solve(0), 1) * (s.k / (2 * d + 1)) ** 3
+        big, other = np.zeros(1 << 24), np.ones(1 << 24)
+        bandwidth = 3 * big.nbytes / _seconds(lambda: big.__iadd__(other), 10)
+        shutil.rmtree(folder)
+        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena)
+
+
+def _rss() -> int:
+    """This process's resident memory now (Linux)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _seconds(f, repeats: int) -> float:
+    f()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        f()
+    return (time.perf_counter() - start) / repeats
+
+
+def _write_rate(folder: Path, nbytes: int = 512 << 20) -> float:
+    import os
+    import tempfile
+
+    block = np.random.default_rng(0).bytes(64 << 20)
+    with tempfile.NamedTemporaryFile(dir=folder) as f:
+        start = time.perf_counter()
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        return nbytes / (time.perf_counter() - start)
+
+
+def _scaled(r: Rates, s: Shape, job: Job, device: dict | None) -> tuple[float, float]:
+    """Seconds of one block and of the head on job.tokens tokens, here or on the GPU (FLOPs at its rate)."""
+    if device:
+        return s.block_flops(job.tokens) / device["flops"], s.head_flops(job.tokens) / device["flops"]
+    return r.block * s.block_flops(job.tokens) / s.block_flops(256), r.head * job.tokens / 256
+
+
+def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
     """FLOPs, bytes, seconds and memory of each part of the main job. device: a GPU for the forward passes."""
-    flops_rate = device["flops"] if device else r.ort
-    k, n = 2 * s.d + 1, job.tokens - 1
+    block, head = _scaled(r, s, job, device)
+    twin = s.block_flops(job.tokens, twin=True) / s.block_flops(job.tokens)
+    k, n = s.k, job.tokens - 1
     trials = s.layers if job.trials is None else job.trials
     compensated = s.layers if job.compensated is None else job.compensated
     sums = 2 * k * (3 * s.d + 1) * 8  # NormalEquations.nbytes
-    forward = job.fit_windows * s.layers * s.block_flops(job.tokens, twin=True)
-    products = job.fit_windows * s.layers * (n * k * k + 2 * n * k * s.d)
-    added = job.fit_windows * s.layers * 3 * (k * k + k * s.d) * 8  # float64 sums: read, read the products, write
-    solve_flops = s.layers * (4 * k**3 + 2 / 3 * k**3 + 6 * k * k * s.d)
-    run = s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)
     runs = (1 + trials) * job.selection_windows
     where = runs * compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the compensated switches' weight copies
+    bandwidth = device["bandwidth"] if device else r.bandwidth
     parts = {
-        "fit forward": dict(flops=forward, bytes=job.fit_windows * s.weight_bytes(), seconds=forward / flops_rate),
-        "fit accumulate": dict(flops=products, bytes=added, seconds=products / r.blas32 + added / r.bandwidth),
-        "fit solve": dict(flops=solve_flops, bytes=s.layers * 6 * k * k * 8,
-                          seconds=s.layers * r.eigh * k**3 + solve_flops / r.blas64),
-        "selection": dict(flops=runs * run, bytes=runs * s.weight_bytes() + where,
-                          seconds=runs * run / flops_rate + where / (device["bandwidth"] if device else r.bandwidth)),
-        "evaluation": dict(flops=2 * job.eval_windows * run, bytes=2 * job.eval_windows * s.weight_bytes(),
-                           seconds=2 * job.eval_windows * run / flops_rate),
+        "fit forward": dict(flops=job.fit_windows * s.layers * s.block_flops(job.tokens, twin=True),
+                            bytes=job.fit_windows * s.weight_bytes(), seconds=job.fit_windows * s.layers * block * twin),
+        "fit accumulate": dict(flops=job.fit_windows * s.layers * (n * k * k + 2 * n * k * s.d),
+                               bytes=job.fit_windows * s.layers * 3 * (k * k + k * s.d) * 8,
+                               seconds=job.fit_windows * s.layers * r.update * (n / 255)),
+        "fit solve": dict(flops=s.layers * (13 * k**3 + 6 * k * k * s.d), bytes=s.layers * 6 * k * k * 8, seconds=s.layers * r.solve),
+        "selection": dict(flops=runs * (s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)), bytes=runs * s.weight_bytes() + where,
+                          seconds=runs * (s.layers * block + head) + where / bandwidth),
+        "evaluation": dict(flops=2 * job.eval_windows * (s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)),
+                           bytes=2 * job.eval_windows * s.weight_bytes(), seconds=2 * job.eval_windows * (s.layers * block + head)),
         "write": dict(flops=0, bytes=s.weight_bytes(), seconds=s.weight_bytes() / r.write),
+        # the fit's passes (together about the whole model), the switchboard, the two evaluated models, the profile
+        "sessions": dict(flops=0, bytes=5 * s.weight_bytes(), seconds=5 * s.weight_bytes() * r.setup),
     }
     bound = job.fit_memory or _fit_memory()
     per_pass = max(1, bound // sums)
     fixes = s.layers * 2 * s.d * s.d * 8  # float64 w_a, w_p kept for every block
-    board = s.weight_bytes() + compensated * 4 * (s.d * s.d + s.d * s.mlp)
+    board = s.weight_bytes() + compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the switchboard: weights and the folded W_o, W_down
     reference = job.selection_windows * job.tokens * s.vocab * 4  # the original's log-probs, kept for the KL
-    memory = max(s.weight_bytes() + min(s.layers, per_pass) * sums + fixes, board + fixes + reference)
+    arena = s.layers * r.arena * (job.tokens / 256)
+    memory = max(s.weight_bytes() + arena + min(s.layers, per_pass) * sums + fixes, board + arena + fixes + reference)
     return {"parts": parts, "memory": memory, "fit_passes": -(-s.layers // per_pass)}
 
 
-def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict[str, dict]:
-    flops_rate = device["flops"] if device else r.ort
-    t = job.tokens
-    probe = job.diag_windows * (s.layers * (s.block_flops(t, twin=True) + 3 * 2 * t * s.d * s.d) + s.head_flops(t))
-    ranks = job.diag_windows * s.layers * 3 * r.eigh * s.d**3
-    run = lambda blocks: blocks * s.block_flops(t) + s.head_flops(t)  # noqa: E731
-    single = sum(run(s.layers - layer) for layer in range(s.layers))  # a run resuming at its block
-    losses = job.diag_eval_windows * (run(s.layers) + 7 * single + 10 * run(s.layers))
-    distances = int(np.log2(t - 2)) + 1
-    prefix = job.diag_windows * (1 + distances) * run(s.layers)
+def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
+    block, head = _scaled(r, s, job, device)
+    twin = s.block_flops(job.tokens, twin=True) / s.block_flops(job.tokens)
+    run = lambda blocks: blocks * block + head  # noqa: E731
+    flops = lambda blocks: blocks * s.block_flops(job.tokens) + s.head_flops(job.tokens)  # noqa: E731
+    bandwidth = device["bandwidth"] if device else r.bandwidth
+    losses_blocks = s.layers + 7 * sum(s.layers - layer for layer in range(s.layers)) + 10 * s.layers  # base, resumed single-layer runs, all-layer runs
+    distances = int(np.log2(job.tokens - 2)) + 1
     zeros = 4 if job.zeros is None else job.zeros
-    field = s.layers * zeros * s.d * 6 * s.d * s.mlp  # the Jacobian's d mlp evaluations per zero
-    eig = s.layers * zeros * r.eig * (s.d - 1) ** 3
+    mlp_bytes = 3 * s.d * s.mlp * 4
+    # the fixed-point steps stream the mlp's weights once per call (4 seeds: memory-bound); a zero's Jacobian: d mlp evaluations
+    critical = s.layers * 200 * mlp_bytes / bandwidth * (1 if zeros == 0 else 0.5) + s.layers * zeros * s.d * 6 * s.d * s.mlp / (
+        device["flops"] if device else s.block_flops(256) / r.block)
     parts = {
-        "probe": dict(flops=probe, bytes=job.diag_windows * s.weight_bytes(), seconds=probe / flops_rate + ranks),
-        "critical": dict(flops=field, bytes=s.layers * zeros * s.d * s.d * 4, seconds=field / flops_rate + eig),
-        "prefix": dict(flops=prefix, bytes=job.diag_windows * (1 + distances) * s.weight_bytes(), seconds=prefix / flops_rate),
-        "losses": dict(flops=losses, bytes=job.diag_eval_windows * 18 * s.weight_bytes(), seconds=losses / flops_rate),
+        "probe": dict(flops=job.diag_windows * flops(s.layers * twin), bytes=job.diag_windows * s.weight_bytes(),
+                      seconds=job.diag_windows * run(s.layers * twin) + s.weight_bytes() * r.setup),  # with its session's setup
+        "critical": dict(flops=s.layers * zeros * s.d * 6 * s.d * s.mlp, bytes=s.layers * 200 * mlp_bytes, seconds=critical),
+        "prefix": dict(flops=job.diag_windows * (1 + distances) * flops(s.layers), bytes=job.diag_windows * (1 + distances) * s.weight_bytes(),
+                       seconds=job.diag_windows * (1 + distances) * run(s.layers) + s.weight_bytes() * r.setup),
+        "losses": dict(flops=job.diag_eval_windows * (losses_blocks * s.block_flops(job.tokens) + 18 * s.head_flops(job.tokens)),
+                       bytes=job.diag_eval_windows * 18 * s.weight_bytes(),
+                       seconds=job.diag_eval_windows * (losses_blocks * block + 18 * head) + s.weight_bytes() * r.setup),
     }
-    return {"parts": parts, "memory": 2 * s.weight_bytes() + s.layers * job.diag_eval_windows * t * s.d * 4}
+    kept = s.layers * job.tokens * s.d * 4  # the unchanged run's resid_post per block, for the resumed runs
+    return {"parts": parts, "memory": 2 * s.weight_bytes() + s.layers * r.arena + kept}
 
 
 def _fit_memory() -> int:
@@ -256,68 +313,76 @@ def _measured(run: Path) -> dict:
     return out
 
 
-def validate(specs: list[str], rates: Rates) -> str:
+def validate(specs: list[str], rates: dict[str, Rates]) -> str:
     rows = []
     for spec in specs:
         name, layers, run = spec.split(":", 2)
-        shape = Shape(**SHAPES[name], layers=int(layers))
+        shape, r = Shape(**SHAPES[name], layers=int(layers)), rates[name]
         got = _measured(Path(run))
+        w = got["windows"]
         if got["kind"] == "parallelize":
-            w = got["windows"]
             job = Job(fit_windows=w["fit"], selection_windows=w["selection"], eval_windows=w["evaluation"], trials=got["trials"],
                       fit_memory=got["fit_memory"])
-            cost = parallelize(shape, job, rates)
+            cost = parallelize(shape, job, r)
         else:
-            w = got["windows"]
             job = Job(diag_windows=w["calibration"], diag_eval_windows=w["evaluation"], zeros=int(round(got["zeros"])))
-            cost = diagnose(shape, job, rates)
+            cost = diagnose(shape, job, r)
+        label = f"{name} x{layers} {got['kind']}"
         for part, c in cost["parts"].items():
             if got.get(part) is not None:
-                rows.append({"run": f"{name} x{layers} {got['kind']}", "part": part, "predicted": f"{c['seconds']:.1f} s",
-                             "measured": f"{got[part]:.1f} s", "ratio": f"{c['seconds'] / got[part]:.2f}"})
+                rows.append({"run": label, "part": part, "predicted": f"{c['seconds']:.1f} s", "measured": f"{got[part]:.1f} s",
+                             "ratio": f"{c['seconds'] / got[part]:.2f}"})
         if "wall" in got:
             total = sum(c["seconds"] for c in cost["parts"].values())
-            rows.append({"run": f"{name} x{layers} {got['kind']}", "part": "whole command (wall)", "predicted": f"{total:.1f} s",
-                         "measured": f"{got['wall']:.1f} s", "ratio": f"{total / got['wall']:.2f}"})
+            rows.append({"run": label, "part": "whole command (wall)", "predicted": f"{total:.1f} s", "measured": f"{got['wall']:.1f} s",
+                         "ratio": f"{total / got['wall']:.2f}"})
         if "rss" in got:
-            rows.append({"run": f"{name} x{layers} {got['kind']}", "part": "peak memory", "predicted": f"{cost['memory'] / 1e9:.2f} GB",
+            rows.append({"run": label, "part": "peak memory", "predicted": f"{cost['memory'] / 1e9:.2f} GB",
                          "measured": f"{got['rss'] / 1e9:.2f} GB", "ratio": f"{cost['memory'] / got['rss']:.2f}"})
     return table(rows, ["run", "part", "predicted", "measured", "ratio"])
 
 
-def project(rates: Rates) -> str:
+def project(rates: dict[str, Rates]) -> str:
     rows = []
-    for name, layers in LAYERS.items():
+    for name, layers in ((n, LAYERS[n]) for n in rates if n in LAYERS):
         shape = Shape(**SHAPES[name], layers=layers)
         for where, device in (("this CPU", None), (GPU["name"], GPU)):
-            main, diag = parallelize(shape, Job(), rates, device), diagnose(shape, Job(), rates, device)
-            seconds = {part: c["seconds"] for part, c in {**main["parts"], **diag["parts"]}.items()}
+            main, diag = parallelize(shape, Job(), rates[name], device), diagnose(shape, Job(), rates[name], device)
+            seconds = {part: c["seconds"] for part, c in main["parts"].items()}
             fit = sum(v for k, v in seconds.items() if k.startswith("fit"))
-            job_total = sum(c["seconds"] for c in main["parts"].values())
-            top = max(main["parts"], key=lambda p: main["parts"][p]["seconds"])
+            top = max(seconds, key=seconds.get)
             rows.append({
-                "model": f"{name} ({shape.weight_bytes() / 1e9:.1f} GB fp32)", "on": where,
+                "model": f"{name} x{layers} ({shape.weight_bytes() / 1e9:.1f} GB fp32)", "on": where,
                 "fit (fwd / acc / solve)": f"{_fmt_seconds(fit)} ({' / '.join(_fmt_seconds(seconds[p]) for p in ('fit forward', 'fit accumulate', 'fit solve'))})",
-                "selection": _fmt_seconds(seconds["selection"]), "main job": _fmt_seconds(job_total),
-                "dominant": top, "diagnose": _fmt_seconds(sum(c["seconds"] for c in diag["parts"].values())),
+                "selection": _fmt_seconds(seconds["selection"]), "main job": _fmt_seconds(sum(seconds.values())),
+                "largest part": top, "diagnose": _fmt_seconds(sum(c["seconds"] for c in diag["parts"].values())),
                 "memory": f"{main['memory'] / 1e9:.1f} GB", "fit passes": main["fit_passes"],
                 "TFLOP": f"{sum(c['flops'] for c in main['parts'].values()) / 1e12:.0f}",
             })
-    return table(rows, ["model", "on", "fit (fwd / acc / solve)", "selection", "main job", "dominant", "diagnose", "memory", "fit passes", "TFLOP"])
+    return table(rows, ["model", "on", "fit (fwd / acc / solve)", "selection", "main job", "largest part", "diagnose", "memory", "fit passes", "TFLOP"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validate", nargs="*", default=None, metavar="SHAPE:LAYERS:RUN")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="the shapes to measure and project (comma-separated)")
     args = parser.parse_args()
-    rates = Rates.measure()
-    print("rates on this machine: " + ", ".join([
-        f"ORT MatMul {rates.ort / 1e9:.0f} GFLOP/s", f"NumPy fp32 {rates.blas32 / 1e9:.0f} GFLOP/s", f"fp64 {rates.blas64 / 1e9:.0f} GFLOP/s",
-        f"eigh {rates.eigh * 1e9:.2f} s per 1000^3", f"eig {rates.eig * 1e9:.2f} s per 1000^3",
-        f"memory {rates.bandwidth / 1e9:.1f} GB/s", f"disk {rates.write / 1e9:.2f} GB/s"]) + "\n")
+    names = args.shapes.split(",")
+    (ROOT / "out").mkdir(exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=ROOT / "out", prefix="cost-"))
+    try:
+        rates = {name: Rates.measure(Shape(**SHAPES[name], layers=1), scratch) for name in names}
+    finally:
+        shutil.rmtree(scratch)
+    rows = [{"shape": name, "block (256 tokens)": f"{r.block * 1e3:.0f} ms", "head": f"{r.head * 1e3:.0f} ms",
+             "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
+             "ORT beside a block's weights": f"{r.arena / 1e6:.0f} MB"} for name, r in rates.items()]
+    first = next(iter(rates.values()))
+    print(f"measured here (memory {first.bandwidth / 1e9:.1f} GB/s, disk {first.write / 1e9:.2f} GB/s):\n")
+    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "solve", "session", "ORT beside a block's weights"]) + "\n")
     if args.validate:
         print(validate(args.validate, rates) + "\n")
-    print(project(rates))
+    print(project({name: rates[name] for name in names if name in LAYERS}))
 
 
 if __name__ == "__main__":
