@@ -17,16 +17,21 @@ The model counts what the code does (surgery/compensation.py, select.py, diagnos
 - selection: the switchboard scored on the selection windows once per trial and once for the baseline: every
   block, the head and the log-softmax; each compensated block's switch copies W_o and W_down (Where).
 - evaluation: the original and the rewritten model on the evaluation windows; write: the weights once.
-- diagnose: the probe (every block with the twin mlp, three Gram matrices d^2 per block and window, their
-  eigenvalues on the host), the loss runs (per evaluation window: the baseline, then 7 switch kinds at each
-  block alone, each run resuming at its block, and 10 all-layer runs), prefix sensitivity (a probe run per
-  distance per window) and the critical points (per block: the field's fixed-point steps and, per zero found,
-  a forward-difference Jacobian of d mlp evaluations and its d^2 nonsymmetric eigenvalues).
+- diagnose: the probe (every block with the twin mlp and the head, per calibration window; its in-graph statistics
+  are not counted), the loss runs (per evaluation window: the baseline, then 7 switch kinds at each block alone,
+  each run resuming at its block, and 10 all-layer runs), prefix sensitivity (a run per distance per window) and
+  the critical points (per block 200 fixed-point steps, each streaming the mlp's weights once for 4 seeds, and
+  per zero found a forward-difference Jacobian of d mlp evaluations).
 
-Rates are measured here, at the shapes that matter: ONNX Runtime's float32 MatMul (prefill of 256 tokens),
-NumPy's float32 syrk/GEMM and float64 GEMM, symmetric and nonsymmetric eigendecompositions (time / k^3) and
-memory bandwidth (a float64 add). The GPU projection assumes an H200-class device (stated in GPU below): the
-forward passes run there, the fit's sums and solves stay on the host CPU as the code does today.
+Seconds come from rates measured here on one block of each shape (Rates.measure): ONNX Runtime's forward of a
+one-block decoder of the shape on 256 tokens; the scored head (MatMul, LogSoftmax, KL against a reference) on a
+slice of the vocabulary; one window's NormalEquations.update (at d_model up to 2048, scaled by k^2); one layer's
+solve (at d_model up to 1024, scaled by k^3); a session's setup per weight byte; the memory bandwidth. Memory adds
+what each stage holds: the weight copies of the loaded model and of each session (measured in a fresh process on
+one- and two-block models, with the weights on external data and inside the .onnx file), the fit pass's sums, the
+fixes, the switchboard's folded weights and the reference log-probs. Nothing is fitted to the runs it is checked
+against. The GPU projection assumes an H200-class device (GPU below): the forward passes run there, and the fit's
+sums and solves stay on the host CPU, as the code runs them today.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Job:
     diag_eval_windows: int = 4
     zeros: int | None = None  # critical points found per block (None: one per seed, 4)
     fit_memory: int | None = None  # --fit-memory bytes (None: auto, a quarter of the memory available here now)
+    inline: bool | None = None  # weights inside the .onnx file (None: under 2 GB, as exporters write them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,11 @@ class Rates:
     write: float  # bytes/s written to disk
     setup: float  # seconds per weight byte to make a session (graph, weights, ORT's optimizations)
     arena: float  # bytes ORT holds beside the weights to run one block on 256 tokens
+    external: tuple[float, float, float]  # weights on external data: resident copies after graph.load, after a session of it; the session's fixed bytes
+    inline: tuple[float, float, float] | None  # the same for weights inside the .onnx file (None: the shape's block is over 512 MiB)
+
+    def copies(self, inline: bool) -> tuple[float, float, float]:
+        return self.inline if inline and self.inline is not None else self.external
 
     @classmethod
     def measure(cls, s: Shape, scratch: Path) -> Rates:
@@ -143,6 +154,18 @@ class Rates:
         feed = runtime.feeds(sess, rng.integers(0, 256, (1, t)))
         block = _seconds(lambda: sess.run(["logits"], feed), 5)
         arena = max(0, _rss() - before - 4 * s.block_params())  # what ORT holds beside the weights to run one block
+        block_bytes = 4 * s.block_params()
+        two = scratch / f"blocks-{s.d}"
+        big_decoder.write(two, 2, shape=shape)
+        external = _copies(graph.resolve(folder), graph.resolve(two), block_bytes)
+        inline = None
+        if block_bytes < 1 << 29:  # models under protobuf's 2 GB limit are exported with their weights inline
+            import onnx
+
+            for f in (folder, two):
+                onnx.save(onnx.load(graph.resolve(f)), f / "inline.onnx")
+            inline = _copies(folder / "inline.onnx", two / "inline.onnx", block_bytes)
+        shutil.rmtree(two)
         vocab = 8192  # the scored head measured on a slice of the vocabulary, scaled to the whole
         w = numpy_helper.from_array(rng.standard_normal((s.d, vocab)).astype(np.float32) / s.d**0.5, "w")
         nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("LogSoftmax", ["y"], ["logp"], axis=-1),
@@ -161,7 +184,7 @@ class Rates:
         a, p, delta = (rng.standard_normal((t - 1, d)).astype(np.float32) for _ in range(3))
         eqs = [NormalEquations(d) for _ in range(max(2, min(8, (256 << 20) // NormalEquations.nbytes(d))))]  # cold sums, as a pass over many layers
         turn = iter(range(1 << 30))
-        update = _seconds(lambda: eqs[next(turn) % len(eqs)].update(0, a, p, delta, delta), 2 * len(eqs)) * (s.k / (2 * d + 1)) ** 2
+        update = _seconds(lambda: eqs[next(turn) % len(eqs)].update(0, a, p, delta, delta), max(9, 2 * len(eqs))) * (s.k / (2 * d + 1)) ** 2
         d = min(s.d, 1024)
         eq = NormalEquations(d)
         mix = rng.standard_normal((d, d)).astype(np.float32) / d**0.5
@@ -172,7 +195,38 @@ class Rates:
         big, other = np.zeros(1 << 24), np.ones(1 << 24)
         bandwidth = 3 * big.nbytes / _seconds(lambda: big.__iadd__(other), 10)
         shutil.rmtree(folder)
-        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena)
+        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline)
+
+
+_COPIES = """
+import sys
+import numpy as np
+from surgery import graph, runtime
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+start = rss()
+model = graph.load(sys.argv[1])
+loaded = rss()
+session = runtime.session(model)
+session.run(["logits"], runtime.feeds(session, np.ones((1, 256), np.int64)))
+print(loaded - start, rss() - loaded)
+"""
+
+
+def _copies(one: Path, two: Path, block_bytes: int) -> tuple[float, float, float]:
+    """Copies of the weights resident after graph.load and after a session of the loaded model and one run (each in a
+    fresh process, as the main job makes its sessions), per weight byte from the 1- and 2-block models' difference,
+    and the session's fixed bytes beside them."""
+    import subprocess
+
+    def resident(path: Path) -> tuple[int, int]:
+        done = subprocess.run([sys.executable, "-c", _COPIES, str(path)], capture_output=True, text=True, check=True, cwd=ROOT)
+        loaded, session = (int(x) for x in done.stdout.split())
+        return loaded, session
+
+    (load1, sess1), (load2, sess2) = resident(one), resident(two)
+    loaded, session = (load2 - load1) / block_bytes, (sess2 - sess1) / block_bytes
+    return max(loaded, 0.0), session, max(sess1 - session * block_bytes, 0.0)
 
 
 def _rss() -> int:
@@ -184,11 +238,14 @@ def _rss() -> int:
 
 
 def _seconds(f, repeats: int) -> float:
+    """The median of `repeats` timed calls, after one untimed."""
     f()
-    start = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         f()
-    return (time.perf_counter() - start) / repeats
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def _write_rate(folder: Path, nbytes: int = 512 << 20) -> float:
@@ -240,11 +297,18 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
     }
     bound = job.fit_memory or _fit_memory()
     per_pass = max(1, bound // sums)
+    inline = s.weight_bytes() < 2e9 if job.inline is None else job.inline
+    weights, (loaded, session, fixed) = s.weight_bytes(), r.copies(inline)
+    folded = compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the switchboard's folded W_o, W_down
     fixes = s.layers * 2 * s.d * s.d * 8  # float64 w_a, w_p kept for every block
-    board = s.weight_bytes() + compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the switchboard: weights and the folded W_o, W_down
-    reference = job.selection_windows * job.tokens * s.vocab * 4  # the original's log-probs, kept for the KL
     arena = s.layers * r.arena * (job.tokens / 256)
-    memory = max(s.weight_bytes() + arena + min(s.layers, per_pass) * sums + fixes, board + arena + fixes + reference)
+    reference = job.selection_windows * job.tokens * s.vocab * 4  # the original's log-probs, kept for the KL
+    stages = {
+        "fit": loaded * weights + session * weights + fixed + arena + min(s.layers, per_pass) * sums + fixes,
+        "selection": loaded * weights + folded + session * (weights + folded) + fixed + arena + fixes + reference,
+        "evaluation": loaded * weights + folded + 2 * (session * weights + fixed + arena) + job.tokens * s.vocab * 4,  # both models' sessions
+    }
+    memory = max(stages.values())
     return {"parts": parts, "memory": memory, "fit_passes": -(-s.layers // per_pass)}
 
 
@@ -272,7 +336,9 @@ def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
                        seconds=job.diag_eval_windows * (losses_blocks * block + 18 * head) + s.weight_bytes() * r.setup),
     }
     kept = s.layers * job.tokens * s.d * 4  # the unchanged run's resid_post per block, for the resumed runs
-    return {"parts": parts, "memory": 2 * s.weight_bytes() + s.layers * r.arena + kept}
+    loaded, session, fixed = r.copies(s.weight_bytes() < 2e9 if job.inline is None else job.inline)
+    # the prefix session stays open while the loss runs' session runs: two sessions of the model at the end
+    return {"parts": parts, "memory": loaded * s.weight_bytes() + 2 * (session * s.weight_bytes() + fixed + s.layers * r.arena) + kept}
 
 
 def _fit_memory() -> int:
@@ -302,6 +368,7 @@ def _measured(run: Path) -> dict:
         out.update({"fit forward": split.get("forward"), "fit accumulate": split.get("accumulate"), "fit solve": split.get("solve"),
                     "selection": sel["seconds"].get("selection"), "trials": len(sel["trials"]), "fit_memory": sel.get("fit_memory")})
         out["kind"] = "parallelize"
+        out["onnx_bytes"] = (run / "model.onnx").stat().st_size
     elif (run / "report.json").is_file():
         report = json.loads((run / "report.json").read_text())
         seconds = report["seconds"]
@@ -310,6 +377,7 @@ def _measured(run: Path) -> dict:
         out["windows"] = {part: w["count"] for part, w in report["windows"].items()}
         out["zeros"] = np.mean([len(layer["points"]) for layer in report.get("critical", {}).get("layers", [])] or [4])
         out["kind"] = "diagnose"
+        out["onnx_bytes"] = Path(report["model"]["path"]).stat().st_size
     return out
 
 
@@ -319,13 +387,13 @@ def validate(specs: list[str], rates: dict[str, Rates]) -> str:
         name, layers, run = spec.split(":", 2)
         shape, r = Shape(**SHAPES[name], layers=int(layers)), rates[name]
         got = _measured(Path(run))
-        w = got["windows"]
+        w, inline = got["windows"], got["onnx_bytes"] > shape.weight_bytes() / 2  # the weights are in the .onnx file
         if got["kind"] == "parallelize":
             job = Job(fit_windows=w["fit"], selection_windows=w["selection"], eval_windows=w["evaluation"], trials=got["trials"],
-                      fit_memory=got["fit_memory"])
+                      fit_memory=got["fit_memory"], inline=inline)
             cost = parallelize(shape, job, r)
         else:
-            job = Job(diag_windows=w["calibration"], diag_eval_windows=w["evaluation"], zeros=int(round(got["zeros"])))
+            job = Job(diag_windows=w["calibration"], diag_eval_windows=w["evaluation"], zeros=int(round(got["zeros"])), inline=inline)
             cost = diagnose(shape, job, r)
         label = f"{name} x{layers} {got['kind']}"
         for part, c in cost["parts"].items():
@@ -376,10 +444,13 @@ def main() -> None:
         shutil.rmtree(scratch)
     rows = [{"shape": name, "block (256 tokens)": f"{r.block * 1e3:.0f} ms", "head": f"{r.head * 1e3:.0f} ms",
              "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
-             "ORT beside a block's weights": f"{r.arena / 1e6:.0f} MB"} for name, r in rates.items()]
+             "ORT beside a block's weights": f"{r.arena / 1e6:.0f} MB",
+             "weight copies: loaded / session (+ fixed)": "; ".join(f"{kind} {a:.2f} / {b:.2f} (+{f / 1e6:.0f} MB)"
+                                                                for kind, c in (("external", r.external), ("inline", r.inline)) if c for a, b, f in [c])}
+            for name, r in rates.items()]
     first = next(iter(rates.values()))
     print(f"measured here (memory {first.bandwidth / 1e9:.1f} GB/s, disk {first.write / 1e9:.2f} GB/s):\n")
-    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "solve", "session", "ORT beside a block's weights"]) + "\n")
+    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "solve", "session", "ORT beside a block's weights", "weight copies: loaded / session (+ fixed)"]) + "\n")
     if args.validate:
         print(validate(args.validate, rates) + "\n")
     print(project({name: rates[name] for name in names if name in LAYERS}))

@@ -89,3 +89,12 @@ def is_known(node: ir.Node) -> bool:
 def describe(node: ir.Node) -> str:
     """`GroupQueryAttention (com.microsoft)`, or the op alone in the standard domain."""
     return node.op_type if node.domain in STANDARD_DOMAINS else f"{node.op_type} ({node.domain})"
+
+# ONNX Runtime's names of the float tensor types (NodeArg.type) -> their element type; numpy has no bfloat16, so a
+# bfloat16 input is fed as an OrtValue (runtime.feeds), and ORT's CPU provider has no bfloat16 kernels for most ops.
+ORT_FLOATS = {
+    "tensor(float)": ir.DataType.FLOAT,
+    "tensor(float16)": ir.DataType.FLOAT16,
+    "tensor(bfloat16)": ir.DataType.BFLOAT16,
+    "tensor(double)": ir.DataType.DOUBLE,
+}

@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from surgery import config, graph
+from surgery import config, graph, ops
 from surgery.errors import SurgeryError
 
 _FATAL_ONLY = 4  # ORT log severity: keep provider-loading errors off a CPU machine's terminal
@@ -143,7 +143,21 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> Sessi
         source = str(graph.resolve(model))
         graph.read(source)  # checked as graph.load checks it, before ORT opens it
         kv = config.kv_sizes(graph.resolve(model).parent)
-    return Session(ort.InferenceSession(source, so, providers=list(providers(options.device))), arrays, kv)
+    chosen = list(providers(options.device))
+    try:
+        sess = ort.InferenceSession(source, so, providers=chosen)
+    except ort.capi.onnxruntime_pybind11_state.NotImplemented as e:
+        first = str(e).splitlines()[0]
+        where = "ONNX Runtime's CPU provider" if chosen == [CPU] else "ONNX Runtime here"
+        hint = "; it computes in bfloat16, which ORT runs on CUDA: use --device cuda" if _bfloat16(model, source) else ""
+        raise SurgeryError(f"{where} cannot run this graph ({first.split(' : ')[-1]}){hint}") from None
+    return Session(sess, arrays, kv)
+
+
+def _bfloat16(model, source) -> bool:
+    """Whether a model's graph inputs or outputs are bfloat16 (read again from `source` when `model` is a path)."""
+    m = model if isinstance(model, ir.Model) else graph.read(source)
+    return any(v.dtype == ir.DataType.BFLOAT16 for v in (*m.graph.inputs, *m.graph.outputs))
 
 
 _HANDED_OVER = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT8, ir.DataType.UINT8}
@@ -297,14 +311,29 @@ def feeds(
                         "surgery cannot make an empty KV cache for it; put the model's config.json (num_key_value_heads, "
                         "head_dim) or genai_config.json beside the .onnx file"
                     )
-                dtype = np.float16 if "float16" in arg.type else np.float32
-                out[arg.name] = np.zeros((batch, heads, 0, head_dim), dtype=dtype)
+                out[arg.name] = zeros(arg, (batch, heads, 0, head_dim))
         else:
             raise SurgeryError(
                 f"graph input {arg.name!r} is not one surgery can feed (input_ids, attention_mask, position_ids, "
                 "past_key_values.*); export the model with `surgery export`"
             )
     return out
+
+
+def element_type(arg) -> ir.DataType:
+    """The float element type of a session input (an ORT NodeArg), from its type, not from a substring of its name."""
+    dtype = ops.ORT_FLOATS.get(arg.type)
+    if dtype is None:
+        raise SurgeryError(f"graph input {arg.name!r} is {arg.type}; surgery feeds float, float16, bfloat16 or double tensors there")
+    return dtype
+
+
+def zeros(arg, shape: tuple[int, ...]):
+    """Zeros of a session input's float type: an array, or an OrtValue for bfloat16 (numpy has no bfloat16 ORT reads)."""
+    dtype = element_type(arg)
+    if dtype == ir.DataType.BFLOAT16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.zeros(shape, np.uint16), int(dtype))
+    return np.zeros(shape, dtype=dtype.numpy())
 
 
 def has_kv_cache(sess: Session) -> bool:

@@ -249,6 +249,32 @@ def test_rewritten_genai_folder_generates_in_onnxruntime_genai(builds, tmp_path)
     assert tokens != greedy(reference, prompt, steps)  # the parallel blocks changed what it says
 
 
+def test_default_main_job_on_an_int4_genai_folder_generates_in_onnxruntime_genai(builds, tmp_path):
+    """`surgery parallelize` with its defaults (auto, compensation asked for) on a GenAI int4 folder: the output keeps
+    genai_config.json and the tokenizer files, og.Model loads it, and its 20 greedy tokens equal greedy decoding of
+    the same graph by ONNX Runtime (the whole sequence each step, no cache: same int4 kernels, accuracy_level 4)."""
+    from fixtures.deployed import genai_greedy
+    from surgery import runtime
+
+    built = builds.variant("genai-int4")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["parallelize", str(built), "-o", str(out), "--seq-len", "64", "--fit-windows", "4",
+                                      "--windows", "4", "--eval-windows", "2", "--no-latency", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["selection"]["layers"]  # something was rewritten
+    beside = lambda folder: {p.name for p in folder.iterdir() if not p.name.startswith("model.onnx")} - {"selection.json"}  # noqa: E731
+    assert "genai_config.json" in beside(built) and "tokenizer.json" in beside(built) and beside(out) == beside(built)
+    for name in beside(built):
+        assert (out / name).read_bytes() == (built / name).read_bytes(), name
+
+    prompt, steps = [0, 17, 99, 5, 300], 20
+    tokens = genai_greedy(out, prompt, steps)
+    session, ids = runtime.session(out), list(prompt)
+    for _ in range(steps):
+        ids.append(int(session.run(["logits"], runtime.feeds(session, np.array([ids])))[0][0, -1].argmax()))
+    assert len(tokens) == steps and tokens == ids[len(prompt):]
+
+
 def test_an_op_the_table_does_not_know_is_one_line(tmp_path):
     """A block holding an op outside the standard domain that surgery's op table does not describe."""
     from tests.conftest import FIXTURES

@@ -247,3 +247,51 @@ def test_the_cuda_benchmark_smoke_run_prints_each_graphs_placement():
     header, _, *rows = [line for line in done.stdout.splitlines() if line.startswith("|")]
     assert "placement" in header and len(rows) == 4
     assert all(row.split("|")[4].strip() == "CPU" for row in rows)
+
+
+def _kv_graph(dtype: ir.DataType, compute: str = "Cast") -> ir.Model:
+    """input_ids and one past_key_values input of `dtype` [batch, 2, past, 4] -> logits [batch, seq, 3] float32: ones
+    plus the past's sum, cast to float32 (compute Cast) or squared in `dtype` first (Mul)."""
+    from onnx import TensorProto, helper
+
+    past = "past_key_values.0.key"
+    nodes = [] if compute == "Cast" else [helper.make_node("Mul", [past, past], ["squared"])]
+    nodes += [
+        helper.make_node("Cast", [past if compute == "Cast" else "squared"], ["as_float"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["as_float"], ["total"], keepdims=0),
+        helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+        helper.make_node("Concat", ["ids_shape", "three"], ["logits_shape"], axis=0),
+        helper.make_node("ConstantOfShape", ["logits_shape"], ["ones"], value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])),
+        helper.make_node("Add", ["ones", "total"], ["logits"]),
+    ]
+    g = helper.make_graph(nodes, "kv", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+                                         helper.make_tensor_value_info(past, int(dtype), ["batch", 2, "past", 4])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", 3])],
+                          [helper.make_tensor("three", TensorProto.INT64, [1], [3])])
+    return ir.from_proto(helper.make_model(g, ir_version=9, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+@pytest.mark.parametrize("dtype", [ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16], ids=str)
+def test_an_empty_kv_cache_is_fed_in_the_inputs_own_type(dtype):
+    """The type comes from the input's tensor type: a bfloat16 cache (an OrtValue: numpy has no bfloat16 ORT reads)
+    is not taken for float16 because its name contains it."""
+    sess = runtime.session(_kv_graph(dtype), runtime.Options(device="cpu"))
+    arg = sess.get_inputs()[1]
+    assert runtime.element_type(arg) == dtype
+    feed = runtime.feeds(sess, np.zeros((1, 5), np.int64))
+    kv = feed["past_key_values.0.key"]
+    if dtype == ir.DataType.BFLOAT16:
+        assert isinstance(kv, runtime.ort.OrtValue) and kv.data_type() == "tensor(bfloat16)" and kv.shape() == [1, 2, 0, 4]
+    else:
+        assert kv.dtype == dtype.numpy() and kv.shape == (1, 2, 0, 4)
+    np.testing.assert_array_equal(sess.run(["logits"], feed)[0], np.ones((1, 5, 3), np.float32))
+
+
+def test_a_graph_computing_in_bfloat16_on_the_cpu_is_one_line():
+    """ONNX Runtime's CPU provider has no bfloat16 Mul: the session is refused in one line that says where it runs."""
+    from surgery.errors import SurgeryError
+
+    with pytest.raises(SurgeryError) as error:
+        runtime.session(_kv_graph(ir.DataType.BFLOAT16, compute="Mul"), runtime.Options(device="cpu"))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("ONNX Runtime's CPU provider cannot run this graph") and "--device cuda" in message

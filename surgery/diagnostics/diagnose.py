@@ -249,7 +249,7 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
     layers = []
     for block in blocks:
         sess = runtime.session(field.field(model, block), options)
-        dtype = np.float16 if "float16" in sess.get_inputs()[0].type else np.float32
+        dtype = runtime.element_type(sess.get_inputs()[0]).numpy()
 
         def f(z, sess=sess):  # points as a batch of one-token sequences [N, 1, d_model]: faster than [1, N, d_model]
             return sess.run(None, {field.FIELD_IN: z[:, None].astype(dtype)})[0][:, 0]
@@ -258,7 +258,7 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
         pool = stats["seeds"][block.layer]
         picks = np.linspace(0, len(pool) - 1, n_seeds).astype(int)
         # Jacobian steps of 1e-3 are at float16's rounding: eigenvalue extremes off by up to 50 %; 1e-2 keeps them within 2 %
-        eps = 1e-2 if dtype is np.float16 else 1e-3
+        eps = 1e-2 if dtype == np.float16 else 1e-3
         search = crit.find_critical_points(f, unit(pool[picks].astype(np.float64)), r, eps=eps)
         layers.append(
             {
