@@ -129,6 +129,7 @@ class Rates:
     arena: float  # bytes ORT holds beside the weights to run one block on 256 tokens
     external: tuple[float, float, float]  # weights on external data: resident copies after graph.load, after a session of it; the session's fixed bytes
     inline: tuple[float, float, float] | None  # the same for weights inside the .onnx file (None: the shape's block is over 512 MiB)
+    rank: float  # seconds of one [255, 255] token Gram's eigenvalues (the probe's effective ranks, on the host)
 
     def copies(self, inline: bool) -> tuple[float, float, float]:
         return self.inline if inline and self.inline is not None else self.external
@@ -192,10 +193,12 @@ class Rates:
             a, p = (rng.standard_normal((t - 1, d)).astype(np.float32) for _ in range(2))
             eq.update(i % 2, a, p, (a + p) @ mix + 0.1 * rng.standard_normal((t - 1, d)).astype(np.float32), a + p)
         solve = _seconds(lambda: eq.solve(0), 1) * (s.k / (2 * d + 1)) ** 3
+        gram = (lambda x: x @ x.T)(rng.standard_normal((t - 1, t)))
+        rank = _seconds(lambda: np.linalg.eigvalsh(gram), 9)  # the probe's effective ranks: one token Gram's eigenvalues
         big, other = np.zeros(1 << 24), np.ones(1 << 24)
         bandwidth = 3 * big.nbytes / _seconds(lambda: big.__iadd__(other), 10)
         shutil.rmtree(folder)
-        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline)
+        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline, rank)
 
 
 _COPIES = """
@@ -319,21 +322,23 @@ def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
     flops = lambda blocks: blocks * s.block_flops(job.tokens) + s.head_flops(job.tokens)  # noqa: E731
     bandwidth = device["bandwidth"] if device else r.bandwidth
     losses_blocks = s.layers + 7 * sum(s.layers - layer for layer in range(s.layers)) + 10 * s.layers  # base, resumed single-layer runs, all-layer runs
+    losses_runs = 1 + 7 * s.layers + 10  # each with the scored head
     distances = int(np.log2(job.tokens - 2)) + 1
     zeros = 4 if job.zeros is None else job.zeros
     mlp_bytes = 3 * s.d * s.mlp * 4
     # the fixed-point steps stream the mlp's weights once per call (4 seeds: memory-bound); a zero's Jacobian: d mlp evaluations
     critical = s.layers * 200 * mlp_bytes / bandwidth * (1 if zeros == 0 else 0.5) + s.layers * zeros * s.d * 6 * s.d * s.mlp / (
-        device["flops"] if device else s.block_flops(256) / r.block)
+        device["flops"] if device else s.block_flops(256) / r.block) + s.layers * mlp_bytes * r.setup  # each block's field session
     parts = {
         "probe": dict(flops=job.diag_windows * flops(s.layers * twin), bytes=job.diag_windows * s.weight_bytes(),
-                      seconds=job.diag_windows * run(s.layers * twin) + s.weight_bytes() * r.setup),  # with its session's setup
+                      # with its session's setup, and the effective ranks of 3 token Grams per block and window
+                      seconds=job.diag_windows * (run(s.layers * twin) + 3 * s.layers * r.rank) + s.weight_bytes() * r.setup),
         "critical": dict(flops=s.layers * zeros * s.d * 6 * s.d * s.mlp, bytes=s.layers * 200 * mlp_bytes, seconds=critical),
         "prefix": dict(flops=job.diag_windows * (1 + distances) * flops(s.layers), bytes=job.diag_windows * (1 + distances) * s.weight_bytes(),
                        seconds=job.diag_windows * (1 + distances) * run(s.layers) + s.weight_bytes() * r.setup),
-        "losses": dict(flops=job.diag_eval_windows * (losses_blocks * s.block_flops(job.tokens) + 18 * s.head_flops(job.tokens)),
-                       bytes=job.diag_eval_windows * 18 * s.weight_bytes(),
-                       seconds=job.diag_eval_windows * (losses_blocks * block + 18 * head) + s.weight_bytes() * r.setup),
+        "losses": dict(flops=job.diag_eval_windows * (losses_blocks * s.block_flops(job.tokens) + losses_runs * s.head_flops(job.tokens)),
+                       bytes=job.diag_eval_windows * losses_blocks / s.layers * s.weight_bytes(),
+                       seconds=job.diag_eval_windows * (losses_blocks * block + losses_runs * head) + s.weight_bytes() * r.setup),
     }
     kept = s.layers * job.tokens * s.d * 4  # the unchanged run's resid_post per block, for the resumed runs
     loaded, session, fixed = r.copies(s.weight_bytes() < 2e9 if job.inline is None else job.inline)
