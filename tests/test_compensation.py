@@ -160,3 +160,18 @@ def test_a_pass_runs_only_its_own_blocks(fixture_path):
     for name, value in zip(names(middle), run(middle, {compensation.RESUME: stream})):
         if name != compensation.STREAM:
             np.testing.assert_array_equal(value, full[name], err_msg=name)
+
+
+def test_fit_memory_auto_is_a_quarter_of_the_available_memory(monkeypatch, tmp_path):
+    """auto reads Linux's MemAvailable (free memory and the page cache it can drop), not the free pages alone."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(meminfo if path == "/proc/meminfo" else path, *a, **k))
+    assert compensation.available_memory() == 20000000 * 1024
+    assert compensation.memory_bound("auto") == compensation.memory_bound(None) == int(0.25 * 20000000 * 1024)
+    monkeypatch.setattr(compensation, "available_memory", lambda: 100 << 20)
+    assert compensation.memory_bound("auto") == 256 << 20  # at least 256 MiB
+    monkeypatch.setattr(compensation, "available_memory", lambda: None)
+    assert compensation.memory_bound("auto") == compensation.MEMORY_BYTES
+    assert compensation.memory_bound("1.5G") == int(1.5 * (1 << 30)) and compensation.memory_bound("512M") == 512 << 20
