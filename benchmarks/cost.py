@@ -17,14 +17,13 @@ The model counts what the code does (surgery/compensation.py, select.py, diagnos
 - selection: the switchboard scored on the selection windows once per trial and once for the baseline: every
   block, the head and the log-softmax; each compensated block's switch copies W_o and W_down (Where).
 - evaluation: the original and the rewritten model on the evaluation windows; write: the weights once.
-- diagnose: the probe (every block with the twin mlp and the head, per calibration window; its in-graph statistics
-  are not counted), the loss runs (per evaluation window: the baseline, then 7 switch kinds at each block alone,
+- diagnose: the probe (per calibration window: every block as the one-block decoder's probe measured, and the head), the loss runs (per evaluation window: the baseline, then 7 switch kinds at each block alone,
   each run resuming at its block, and 10 all-layer runs), prefix sensitivity (a run per distance per window) and
   the critical points (per block 200 fixed-point steps, each streaming the mlp's weights once for 4 seeds, and
   per zero found a forward-difference Jacobian of d mlp evaluations).
 
 Seconds come from rates measured here on one block of each shape (Rates.measure): ONNX Runtime's forward of a
-one-block decoder of the shape on 256 tokens; the scored head (MatMul, LogSoftmax, KL against a reference) on a
+one-block decoder of the shape on 256 tokens, and diagnose's probe of it; the scored head (MatMul, LogSoftmax, KL against a reference) on a
 slice of the vocabulary; one window's NormalEquations.update (at d_model up to 2048, scaled by k^2); one layer's
 solve (at d_model up to 1024, scaled by k^3); a session's setup per weight byte; the memory bandwidth. Memory adds
 what each stage holds: the weight copies of the loaded model and of each session (measured in a fresh process on
@@ -129,7 +128,7 @@ class Rates:
     arena: float  # bytes ORT holds beside the weights to run one block on 256 tokens
     external: tuple[float, float, float]  # weights on external data: resident copies after graph.load, after a session of it; the session's fixed bytes
     inline: tuple[float, float, float] | None  # the same for weights inside the .onnx file (None: the shape's block is over 512 MiB)
-    rank: float  # seconds of one [255, 255] token Gram's eigenvalues (the probe's effective ranks, on the host)
+    probe: float  # diagnose's probe of one 256-token window through one block: twin mlp, in-graph statistics, ranks
 
     def copies(self, inline: bool) -> tuple[float, float, float]:
         return self.inline if inline and self.inline is not None else self.external
@@ -146,15 +145,19 @@ class Rates:
         rng = np.random.default_rng(0)
         t = 256
         folder = scratch / f"block-{s.d}"
-        shape = dict(d_model=s.d, n_heads=s.heads, n_kv_heads=s.kv, d_mlp=s.mlp, vocab=256, max_pos=t)
-        big_decoder.write(folder, 1, shape=shape)  # one block, a 256-token vocabulary: the head is negligible
+        shape = dict(d_model=s.d, n_heads=s.heads, n_kv_heads=s.kv, d_mlp=s.mlp, vocab=512, max_pos=t)
+        big_decoder.write(folder, 1, shape=shape)  # one block, the fixtures tokenizer's 512-token vocabulary: the head is negligible
         before = _rss()
         start = time.perf_counter()
         sess = runtime.session(graph.resolve(folder))
         setup = (time.perf_counter() - start) / (4 * s.block_params())
-        feed = runtime.feeds(sess, rng.integers(0, 256, (1, t)))
+        feed = runtime.feeds(sess, rng.integers(0, 512, (1, t)))
         block = _seconds(lambda: sess.run(["logits"], feed), 5)
         arena = max(0, _rss() - before - 4 * s.block_params())  # what ORT holds beside the weights to run one block
+        from surgery.diagnostics.diagnose import _diagnose
+
+        report = _diagnose(folder, seq_len=t, windows=3, only=("deficit", "diversity", "defect", "gate"), options=runtime.analysis(runtime.Options()))
+        probe = (report["seconds"]["probe"] - report["seconds"]["probe_setup"]) / 3  # diagnose's probe of one window, one block
         block_bytes = 4 * s.block_params()
         two = scratch / f"blocks-{s.d}"
         big_decoder.write(two, 2, shape=shape)
@@ -193,12 +196,10 @@ class Rates:
             a, p = (rng.standard_normal((t - 1, d)).astype(np.float32) for _ in range(2))
             eq.update(i % 2, a, p, (a + p) @ mix + 0.1 * rng.standard_normal((t - 1, d)).astype(np.float32), a + p)
         solve = _seconds(lambda: eq.solve(0), 1) * (s.k / (2 * d + 1)) ** 3
-        gram = (lambda x: x @ x.T)(rng.standard_normal((t - 1, t)))
-        rank = _seconds(lambda: np.linalg.eigvalsh(gram), 9)  # the probe's effective ranks: one token Gram's eigenvalues
         big, other = np.zeros(1 << 24), np.ones(1 << 24)
         bandwidth = 3 * big.nbytes / _seconds(lambda: big.__iadd__(other), 10)
         shutil.rmtree(folder)
-        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline, rank)
+        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline, probe)
 
 
 _COPIES = """
@@ -331,8 +332,8 @@ def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
         device["flops"] if device else s.block_flops(256) / r.block) + s.layers * mlp_bytes * r.setup  # each block's field session
     parts = {
         "probe": dict(flops=job.diag_windows * flops(s.layers * twin), bytes=job.diag_windows * s.weight_bytes(),
-                      # with its session's setup, and the effective ranks of 3 token Grams per block and window
-                      seconds=job.diag_windows * (run(s.layers * twin) + 3 * s.layers * r.rank) + s.weight_bytes() * r.setup),
+                      # measured on the one-block decoder (its twin mlp, in-graph statistics and effective ranks), plus the head
+                      seconds=job.diag_windows * (s.layers * (r.probe if not device else block * twin) + head) + s.weight_bytes() * r.setup),
         "critical": dict(flops=s.layers * zeros * s.d * 6 * s.d * s.mlp, bytes=s.layers * 200 * mlp_bytes, seconds=critical),
         "prefix": dict(flops=job.diag_windows * (1 + distances) * flops(s.layers), bytes=job.diag_windows * (1 + distances) * s.weight_bytes(),
                        seconds=job.diag_windows * (1 + distances) * run(s.layers) + s.weight_bytes() * r.setup),
@@ -448,14 +449,14 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch)
     rows = [{"shape": name, "block (256 tokens)": f"{r.block * 1e3:.0f} ms", "head": f"{r.head * 1e3:.0f} ms",
-             "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
+             "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "probe (a block, a window)": f"{r.probe * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
              "ORT beside a block's weights": f"{r.arena / 1e6:.0f} MB",
              "weight copies: loaded / session (+ fixed)": "; ".join(f"{kind} {a:.2f} / {b:.2f} (+{f / 1e6:.0f} MB)"
                                                                 for kind, c in (("external", r.external), ("inline", r.inline)) if c for a, b, f in [c])}
             for name, r in rates.items()]
     first = next(iter(rates.values()))
     print(f"measured here (memory {first.bandwidth / 1e9:.1f} GB/s, disk {first.write / 1e9:.2f} GB/s):\n")
-    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "solve", "session", "ORT beside a block's weights", "weight copies: loaded / session (+ fixed)"]) + "\n")
+    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "probe (a block, a window)", "solve", "session", "ORT beside a block's weights", "weight copies: loaded / session (+ fixed)"]) + "\n")
     if args.validate:
         print(validate(args.validate, rates) + "\n")
     print(project({name: rates[name] for name in names if name in LAYERS}))
