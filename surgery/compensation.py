@@ -30,6 +30,7 @@ activations). On the unmodified stream the target is delta itself.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -112,11 +113,6 @@ class NormalEquations:
         self.dd[fold] += float(np.sum(delta.astype(np.float64) ** 2))
         self.yy[fold] += float(np.sum(resid_post.astype(np.float64) ** 2))
         self.tokens[fold] += n
-
-    def copy(self) -> "NormalEquations":
-        new = NormalEquations.__new__(NormalEquations)
-        new.zz, new.zd, new.dd, new.yy, new.tokens = (a.copy() for a in (self.zz, self.zd, self.dd, self.yy, self.tokens))
-        return new
 
     def add(self, other: "NormalEquations") -> None:
         """Add another's sums (of other windows) to these."""
@@ -315,7 +311,9 @@ class Accumulator:
                         fixes[layer].apply(attn_out, mlp_x) if layer in fixed_on else 0.0)
                     delta = (drift[layer][j] - resid_post + correction).astype(mlp_x.dtype)
                     resid_post = drift[layer][j]
-                sums.setdefault(layer, NormalEquations(attn_out.shape[-1])).update((first + j) % 2, attn_out, mlp_x, delta, resid_post)
+                if layer not in sums:  # not setdefault: that would allocate a layer's sums on every window
+                    sums[layer] = NormalEquations(attn_out.shape[-1])
+                sums[layer].update((first + j) % 2, attn_out, mlp_x, delta, resid_post)
             clock["accumulate"] += time.perf_counter() - start
             if progress:
                 progress()
@@ -382,7 +380,7 @@ def fit(
     keep = keep_stream is not None
     runs = [(int(r[0]), int(r[-1]) + 1) for r in np.array_split(np.arange(len(windows)), max(1, pool.workers)) if len(r)]
     results: dict[int, FitResult] = {}
-    chunks = _chunks(todo, table[1], memory_bytes // pool.copies)
+    chunks = _chunks(todo, table[1], memory_bytes, pool.copies)
     done, total = 0, len(chunks) * len(windows)
 
     def tick(count: int = 1) -> None:
@@ -404,13 +402,13 @@ def fit(
         del graph
         sums: dict[int, NormalEquations] = {}
         streams = []
-        for (a, b), (part, handed, kept, part_clock) in zip(runs if pool.distributed else [(0, len(windows))], parts):  # in window order
+        for (a, b), (part, handed, kept, part_clock) in zip(runs, parts):  # in window order (in process: one run, all windows)
             start = time.perf_counter()
             for layer, eq in part.items():
                 if layer in sums:
                     sums[layer].add(eq)
                 else:  # what a Ray actor returned is read-only
-                    sums[layer] = eq if eq.zz.flags.writeable else eq.copy()
+                    sums[layer] = eq if eq.zz.flags.writeable else copy.deepcopy(eq)
             streams.extend(handed)
             for layer, kept_streams in kept.items():
                 keep_stream.setdefault(layer, []).extend(kept_streams)
@@ -429,9 +427,10 @@ def fit(
     return results
 
 
-def _chunks(layers: list[int], d_model: int, memory_bytes: int) -> list[list[int]]:
-    """The layers fitted together in each pass over the windows: as many as fit in memory_bytes, at least one."""
-    per_chunk = max(1, memory_bytes // NormalEquations.nbytes(d_model))
+def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1) -> list[list[int]]:
+    """The layers fitted together in each pass over the windows: as many as fit in memory_bytes, which `copies` of
+    the sums share (the driver's and, on a local Ray cluster, each actor's), at least one."""
+    per_chunk = max(1, memory_bytes // copies // NormalEquations.nbytes(d_model))
     return [layers[i : i + per_chunk] for i in range(0, len(layers), per_chunk)]
 
 
@@ -439,7 +438,7 @@ def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None)."""
     table = embedding_table(model)
     todo = [b.layer for b in find_blocks(model) if not b.is_parallel and (layers is None or b.layer in layers)]
-    return len(_chunks(todo, table[1], memory_bytes // (pool or cluster.Pool()).copies)) if todo and table else 0
+    return len(_chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies)) if todo and table else 0
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

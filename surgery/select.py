@@ -207,9 +207,9 @@ def select_layers(
     n = len(blocks)
     seconds: dict[str, float] = {}
     fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
+    memory = compensation.memory_bound(fit_memory) if fit is not None else None
     start = time.perf_counter()
     if fit is not None:
-        memory = compensation.memory_bound(fit_memory)
         fit_passes = compensation.passes(model, memory_bytes=memory, pool=pool)
         fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=fit_seconds,
                                 progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
@@ -313,7 +313,7 @@ def select_layers(
         seconds=seconds,
         candidates=len(candidates),
         stopped=stopped,
-        fit_memory=memory if fit is not None else None,
+        fit_memory=memory,
     )
 
 
