@@ -207,6 +207,7 @@ def parallelize(
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 64,
     fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the available memory. Fewer bytes, more passes over the fit windows.")] = "auto",
+    requantize: Annotated[str, typer.Option(help="Int4 / int8 (MatMulNBits) weights a fix is folded into: `gptq` chooses their codes error-aware on the fit's input statistics, `nearest` rounds them; both keep the node's scales.")] = "gptq",
     windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).")] = 16,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
@@ -231,16 +232,19 @@ def parallelize(
         runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable: one line before any work
     budget = select.Budget.parse(max_kl, max_loss_increase)
     fit_memory = compensation.memory_bound(fit_memory)  # a size that is not one: one line before any work
+    if requantize not in compensation.REQUANTIZE:
+        raise SurgeryError(f"--requantize {requantize!r}: choose one of {', '.join(compensation.REQUANTIZE)}")
     if explicit:
         _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit=fit, fused=fuse, corpus=data, seq_len=seq_len,
-                                                 fit_windows=fit_windows, tokenizer=tokenizer, options=options, fit_memory=fit_memory), as_json)
+                                                 fit_windows=fit_windows, tokenizer=tokenizer, options=options, fit_memory=fit_memory,
+                                                 requantize=requantize), as_json)
         return
     with _progress() as tell:
         outcome, written = select.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
             fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
-            tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray, fit_memory=fit_memory,
+            tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray, fit_memory=fit_memory, requantize=requantize,
         )
     sel = outcome.selection
     for layer, why in sel.uncompensated.items():

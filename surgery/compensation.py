@@ -58,6 +58,8 @@ MEMORY_BYTES = 2 << 30  # the normal equations' bound when the available memory 
 MEMORY_SHARE = 0.25
 KINDS = [("parallelize",), ("compensate",)]  # the switchboard kinds every fit and trial uses
 FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what the fit graph outputs per sequential block
+INPUT_TAPS = ("o_in", "down_in")  # ... and, where W_o and W_down are MatMulNBits, their inputs (the parallel block's)
+REQUANTIZE = ("gptq", "nearest")  # how a fix folded into MatMulNBits weights chooses their codes (surgery.nbits)
 RESUME, STREAM = "surgery/fit/resid_pre", "surgery/fit/stream"  # a pass's stream into its first block, from the pass before
 Progress = Callable[[int, int], None]
 
@@ -94,10 +96,22 @@ class NormalEquations:
         self.dd = np.zeros(2)  # sum |delta|^2
         self.yy = np.zeros(2)  # sum |resid_post|^2
         self.tokens = np.zeros(2, dtype=np.int64)
+        self.grams: dict[str, np.ndarray] = {}  # INPUT_TAPS -> sum x x' over both folds (quantized W_o, W_down)
 
     @staticmethod
-    def nbytes(d_model: int) -> int:
-        return 2 * (2 * d_model + 1) * (3 * d_model + 1) * 8
+    def nbytes(d_model: int, inputs: Collection[int] = ()) -> int:
+        """The sums' bytes; inputs: the widths of the projection inputs whose second moments are kept too."""
+        return 2 * (2 * d_model + 1) * (3 * d_model + 1) * 8 + sum(8 * k * k for k in inputs)
+
+    def update_inputs(self, inputs: dict[str, np.ndarray]) -> None:
+        """Add tokens of the quantized output projections' inputs ([tokens, K] each) to their second moments."""
+        for name, x in inputs.items():
+            x = x.astype(np.result_type(x, np.float32))
+            gram = x.T @ x
+            if name in self.grams:
+                self.grams[name] += gram
+            else:
+                self.grams[name] = gram.astype(np.float64)
 
     def update(self, fold: int, attn_out: np.ndarray, mlp_x: np.ndarray, delta: np.ndarray, resid_post: np.ndarray) -> None:
         """Add tokens: each argument [tokens, d_model]; delta is the fit's target (the defect, or what the
@@ -118,6 +132,8 @@ class NormalEquations:
         """Add another's sums (of other windows) to these."""
         for mine, theirs in ((self.zz, other.zz), (self.zd, other.zd), (self.dd, other.dd), (self.yy, other.yy), (self.tokens, other.tokens)):
             mine += theirs
+        for name, gram in other.grams.items():
+            self.grams[name] = self.grams[name] + gram if name in self.grams else gram.copy()
 
     def _traces(self, fold) -> tuple[float, float, float]:
         """sum |P|^2, sum <P, delta>, sum |delta|^2 over fold 0, 1, or both (None)."""
@@ -207,18 +223,20 @@ def fit_tap(layer: int, what: str) -> str:
 
 
 def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Collection[int] | None = None,
-              resume: int | None = None, hand_on: int | None = None) -> ir.Model:
+              resume: int | None = None, hand_on: int | None = None, inputs: bool = True) -> ir.Model:
     """The switchboard of KINDS reduced to the fit taps of the sequential blocks in `layers` (all when None; no logits,
     no KV cache): attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post, whatever the
     switches (each block's mlp is evaluated a second time, on the input its branch does not read).
 
     resume: block `resume` reads its resid_pre from the input RESUME (as an earlier pass handed it on), so the blocks
     before it compute nothing; hand_on: output block `hand_on`'s resid_pre as STREAM. Nothing after the last block
-    whose taps or stream are asked for is computed: ORT runs a whole graph whatever outputs a run asks for."""
+    whose taps or stream are asked for is computed: ORT runs a whole graph whatever outputs a run asks for.
+    inputs: also the inputs of W_o and W_down where both are MatMulNBits (INPUT_TAPS), for the error-aware requantization."""
     board = board_graph.switchboard(model, KINDS, fixes, taps=_fit_taps)
     g = board.graph
-    wanted = None if layers is None else {fit_tap(l, w) for l in layers for w in FIT_TAPS}
-    taps = [v for v in g.outputs if v.name.startswith("surgery/fit/") and (wanted is None or v.name in wanted)]
+    wanted = None if layers is None else {fit_tap(l, w) for l in layers for w in FIT_TAPS + INPUT_TAPS}
+    taps = [v for v in g.outputs if v.name.startswith("surgery/fit/") and (wanted is None or v.name in wanted)
+            and (inputs or not v.name.endswith(INPUT_TAPS))]
     g.outputs.clear()
     g.outputs.extend(taps)
     blocks = {b.layer: b for b in find_blocks(model)}
@@ -245,8 +263,9 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: s
     g, values, e = board.graph, board.values, board.emitter(prefix)
     mid, pre = values[block.resid_mid], values[block.resid_pre]
     other = e.op("Where", [on, mid, pre], "twin_in")  # the input the mlp branch does not read
-    twin = twin_branch(g, branch_nodes(board.model, block, "mlp", values), {mid: other}, f"{prefix}/twin")[values[block.mlp_out]]
+    copies = twin_branch(g, branch_nodes(board.model, block, "mlp", values), {mid: other}, f"{prefix}/twin")
     own = values[block.mlp_out]
+    twin = copies[own]
     on_mid = e.op("Where", [on, twin, own], "mlp_h")
     top = board.emitter("")
     on_pre = top.op("Where", [on, own, twin], fit_tap(block.layer, "mlp_x"))
@@ -259,6 +278,13 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: s
     for value in (on_pre, delta):
         value.type = stream_type
         g.outputs.append(value)
+    o_proj, down_proj = (projection.quantized_node(values[v]) for v in (block.attn_out, block.mlp_out))
+    if o_proj is not None and down_proj is not None:  # the inputs of W_o and of the parallel block's W_down
+        h = down_proj.inputs[0]
+        for what, value in (("o_in", o_proj.inputs[0]), ("down_in", e.op("Where", [on, h, copies[h]], "down_in_x"))):
+            value = top.op("Identity", [value], fit_tap(block.layer, what))
+            value.type = stream_type
+            g.outputs.append(value)
 
 
 class Accumulator:
@@ -269,6 +295,7 @@ class Accumulator:
         self.session = runtime.session(graph, options)
         names = {arg.name for arg in self.session.get_inputs()} | {arg.name for arg in self.session.get_outputs()}
         self.resumes, self.hands_on = RESUME in names, STREAM in names
+        self.outputs = names
 
     def run(
         self,
@@ -292,7 +319,8 @@ class Accumulator:
         handed: list[np.ndarray] = []
         kept: dict[int, list[np.ndarray]] = {}
         clock = {"forward": 0.0, "accumulate": 0.0}
-        names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS] + ([STREAM] if self.hands_on else [])
+        inputs = {l: [w for w in INPUT_TAPS if fit_tap(l, w) in self.outputs] for l in chunk}  # the fit graph's choice
+        names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS + tuple(inputs[l])] + ([STREAM] if self.hands_on else [])
         for j in range(len(ids)):
             extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}
             feed = runtime.feeds(self.session, ids[j : j + 1], extra=extra)
@@ -314,6 +342,7 @@ class Accumulator:
                 if layer not in sums:  # not setdefault: that would allocate a layer's sums on every window
                     sums[layer] = NormalEquations(attn_out.shape[-1])
                 sums[layer].update((first + j) % 2, attn_out, mlp_x, delta, resid_post)
+                sums[layer].update_inputs({w: out[fit_tap(layer, w)][0, 1:] for w in inputs[layer]})
             clock["accumulate"] += time.perf_counter() - start
             if progress:
                 progress()
@@ -336,6 +365,7 @@ def fit(
     keep_stream: dict[int, list[np.ndarray]] | None = None,
     drift: dict[int, list[np.ndarray]] | None = None,
     seconds: dict[str, float] | None = None,
+    requantize: str = "gptq",
 ) -> dict[int, FitResult]:
     """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
@@ -353,8 +383,12 @@ def fit(
     drift: the original model's resid_post, as keep_stream kept it on the same windows: fit the drift-correcting
     fix (module docstring) under `fixes` / `on` instead of the defect's.
     seconds: receives where the time went, added to what it holds: forward (the graph's runs), accumulate (the
-    float64 sums; on Ray, both summed over the actors) and solve (the ridge choice and the solve).
+    float64 sums; on Ray, both summed over the actors) and solve (the ridge choice, the solve and any requantization).
+    requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE): `gptq`, error-aware
+    on the second moments of their inputs gathered in the same pass, or `nearest`.
     """
+    if requantize not in REQUANTIZE:
+        raise SurgeryError(f"unknown requantization {requantize!r}; choose one of {', '.join(REQUANTIZE)}")
     clock = {"forward": 0.0, "accumulate": 0.0, "solve": 0.0} if seconds is None else seconds
     for key in ("forward", "accumulate", "solve"):
         clock.setdefault(key, 0.0)
@@ -380,7 +414,8 @@ def fit(
     keep = keep_stream is not None
     runs = [(int(r[0]), int(r[-1]) + 1) for r in np.array_split(np.arange(len(windows)), max(1, pool.workers)) if len(r)]
     results: dict[int, FitResult] = {}
-    chunks = _chunks(todo, table[1], memory_bytes, pool.copies)
+    by_layer = {b.layer: b for b in blocks}
+    chunks = _chunks(todo, table[1], memory_bytes, pool.copies, _input_widths(model, todo, requantize))
     done, total = 0, len(chunks) * len(windows)
 
     def tick(count: int = 1) -> None:
@@ -391,7 +426,8 @@ def fit(
 
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
     for c, chunk in enumerate(chunks):
-        graph = fit_graph(model, fixes, chunk, resume=chunk[0] if c else None, hand_on=chunks[c + 1][0] if c + 1 < len(chunks) else None)
+        graph = fit_graph(model, fixes, chunk, resume=chunk[0] if c else None, hand_on=chunks[c + 1][0] if c + 1 < len(chunks) else None,
+                          inputs=requantize == "gptq")
         if pool.distributed:  # one contiguous run of windows per actor
             actors = pool.actors(graph, functools.partial(Accumulator, options=pool.options(options)))
             jobs = [(chunk, windows.ids[a:b], a, switches, state, None if streams is None else streams[a:b],
@@ -422,23 +458,63 @@ def fit(
             results[layer] = sums[layer].solve(layer, kind, ridges, defect=drift is None)
             if no_fold[layer]:  # scored, but its fix has nowhere to go: the block stays plain
                 results[layer] = dataclasses.replace(results[layer], fix=None, note=no_fold[layer])
+            elif sums[layer].grams and results[layer].fix is not None:
+                fix = requantized(model, by_layer[layer], results[layer].fix, sums[layer].grams)
+                results[layer] = dataclasses.replace(results[layer], fix=fix)
         clock["solve"] += time.perf_counter() - start
         del sums
     return results
 
 
-def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1) -> list[list[int]]:
-    """The layers fitted together in each pass over the windows: as many as fit in memory_bytes, which `copies` of
-    the sums share (the driver's and, on a local Ray cluster, each actor's), at least one."""
-    per_chunk = max(1, memory_bytes // copies // NormalEquations.nbytes(d_model))
-    return [layers[i : i + per_chunk] for i in range(0, len(layers), per_chunk)]
+def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1, widths: dict[int, tuple[int, ...]] | None = None
+            ) -> list[list[int]]:
+    """The layers fitted together in each pass over the windows, in order: as many as fit in memory_bytes, which
+    `copies` of the sums share (the driver's and, on a local Ray cluster, each actor's), at least one. widths: per
+    layer, the input widths of its quantized output projections (their second moments are summed too)."""
+    chunks: list[list[int]] = []
+    used = 0
+    for layer in layers:
+        size = copies * NormalEquations.nbytes(d_model, (widths or {}).get(layer, ()))
+        if chunks and used + size <= memory_bytes:
+            chunks[-1].append(layer)
+            used += size
+        else:
+            chunks.append([layer])
+            used = size
+    return chunks
 
 
-def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES, pool: cluster.Pool | None = None) -> int:
+def _input_widths(model: ir.Model, layers: Collection[int], requantize: str = "gptq") -> dict[int, tuple[int, ...]]:
+    """Per layer, K of W_o and of W_down where both are MatMulNBits and requantized error-aware (their inputs'
+    second moments are gathered in the fit pass), else (); no weight is read."""
+    values = values_by_name(model)
+    widths = {}
+    for block in find_blocks(model):
+        found = [projection.quantized_node(values[v]) for v in (block.attn_out, block.mlp_out)]
+        if block.layer in layers and requantize == "gptq" and all(found):
+            widths[block.layer] = tuple(int(node.attributes["K"].value) for node in found)
+    return widths
+
+
+def requantized(model: ir.Model, block: BlockMap, fix: Fix, grams: dict[str, np.ndarray]) -> Fix:
+    """`fix` with the codes of W_o (I + w_a) and W_down (I + w_p) chosen error-aware (surgery.nbits) on the second
+    moments of their inputs, `grams` (INPUT_TAPS)."""
+    values = values_by_name(model)
+    attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why="compensate")
+    mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why="compensate")
+    (w_o, _), (w_down, _) = fix.fold(attn, mlp)
+    packed = tuple(p.quant.packed(p.quant.gptq(w, grams[name])) for p, w, name in ((attn, w_o, "o_in"), (mlp, w_down, "down_in")))
+    return dataclasses.replace(fix, packed=packed)
+
+
+def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES, pool: cluster.Pool | None = None,
+           requantize: str = "gptq") -> int:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None)."""
     table = embedding_table(model)
     todo = [b.layer for b in find_blocks(model) if not b.is_parallel and (layers is None or b.layer in layers)]
-    return len(_chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies)) if todo and table else 0
+    if not todo or not table:
+        return 0
+    return len(_chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies, _input_widths(model, todo, requantize)))
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -482,5 +558,4 @@ def _no_fold(model: ir.Model, block: BlockMap) -> str | None:
     """Why a fix of this sequential block could not be folded into its weights, or None."""
     if block.post_norm:
         return "branch outputs are normalised: no fold"
-    op = projection.quantized(model, block)
-    return None if op is None else f"{op}: no fold"
+    return None if projection.unreadable(model, block, "compensate") is None else "quantized weights that cannot be read: no fold"

@@ -104,9 +104,9 @@ def deployed(request, builds):
     return Deployed(request.param, builds)
 
 
-def logits(model, ids=IDS) -> np.ndarray:
+def logits(model, ids=IDS, extra=None) -> np.ndarray:
     session = runtime.session(model)
-    return session.run(["logits"], runtime.feeds(session, ids))[0]
+    return session.run(["logits"], runtime.feeds(session, ids, extra=extra))[0]
 
 
 def contrib_ops(path) -> collections.Counter:
@@ -212,8 +212,47 @@ def test_fuse_and_compensate_match_the_hooked_hf_model(deployed):
 def test_folding_passes_on_quantized_weights_refuse_in_one_line(deployed):
     with pytest.raises(SurgeryError, match=r"^cannot fuse block 0: .*MatMulNBits"):
         fuse(deployed.onnx, {0})
-    with pytest.raises(SurgeryError, match=r"^cannot compensate block 0: .*MatMulNBits"):
-        compensate(deployed.onnx, {0: Fix.gate(0.9)})
+
+
+@pytest.mark.parametrize("deployed", ["genai-int4"], indirect=True)
+def test_compensated_int4_fold_is_the_numpy_dequantize_fold_requantize(deployed):
+    """W_o (I + w_a) and W_down (I + w_p) from the dequantized weights, rounded again on the node's own scales in
+    NumPy (tests.reference's dequantization, round half up), put into the HF model: the compensated int4 graph
+    equals it (fp32 activations), written and switched on in a switchboard (at the builder's accuracy_level too)."""
+    from surgery.analysis import switchboard as board_graph
+    from tests.reference import edited_logits
+
+    torch = pytest.importorskip("torch")
+    hf = deployed.torch
+    d = hf.config.hidden_size
+    rng = np.random.default_rng(3)
+    fix = (0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d))
+    initializers = deployed.onnx.graph.initializers
+    before = {name: module.weight.detach().clone() for name, module in (("o", hf.model.layers[1].self_attn.o_proj), ("down", hf.model.layers[1].mlp.down_proj))}
+    try:
+        for (name, module), w in zip((("o", hf.model.layers[1].self_attn.o_proj), ("down", hf.model.layers[1].mlp.down_proj)), fix[:2]):
+            scales = initializers[f"model.layers.1.{'attn.o_proj' if name == 'o' else 'mlp.down_proj'}.MatMul.weight_scales"].const_value.numpy()
+            k = module.weight.shape[1]
+            step = np.repeat(scales.astype(np.float64).reshape(d, -1), 32, axis=1)[:, :k].T  # [K, N]
+            folded = module.weight.detach().double().numpy().T @ (np.eye(d) + w)
+            requantized = (np.clip(np.floor(folded / step + 0.5) + 8, 0, 15) - 8) * step
+            with torch.no_grad():
+                module.weight.copy_(torch.from_numpy(requantized.T))
+        expected = edited_logits(hf, IDS, parallel={1}, fixes={1: (np.zeros((d, d)), np.zeros((d, d)), fix[2])})
+    finally:
+        with torch.no_grad():
+            hf.model.layers[1].self_attn.o_proj.weight.copy_(before["o"])
+            hf.model.layers[1].mlp.down_proj.weight.copy_(before["down"])
+    result = compensate(deployed.onnx, {1: Fix(*fix)})
+    np.testing.assert_allclose(logits(exact(result.model)), expected, rtol=TOL, atol=TOL)
+    assert np.abs(logits(exact(parallelize(deployed.onnx, {1}).model)) - expected).max() > 30 * TOL  # the fold matters
+    assert [n.op_type for n in result.model.graph].count("MatMulNBits") == [n.op_type for n in deployed.onnx.graph].count("MatMulNBits")
+    kinds = [("parallelize",), ("compensate",)]
+    on = board_graph.switches(kinds, 3, {kinds[0]: {1}, kinds[1]: {1}})
+    for model in (exact(deployed.onnx), deployed.onnx):  # the switch's MatMulNBits computes as the written one
+        board = board_graph.switchboard(model, kinds, {1: Fix(*fix)})
+        written = compensate(model, {1: Fix(*fix)}).model
+        np.testing.assert_allclose(logits(board, extra={board_graph.SWITCHES: on}), logits(written), rtol=1e-6, atol=1e-6)
 
 
 def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):

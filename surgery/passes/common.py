@@ -73,12 +73,15 @@ class Fix:
         resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b
 
     w_a, w_p: [d_model, d_model] arrays, w_p may also be a number (w_p I); None means 0.
+    packed: for MatMulNBits output projections, the codes of W_o (I + w_a) and W_down (I + w_p) as the node stores
+        them, chosen error-aware by the fit (surgery.nbits); None: a fold rounds them to nearest.
     Fix() changes nothing; Fix.gate(alpha) is the paper's calibrated parallel block.
     """
 
     w_a: np.ndarray | None = None
     w_p: np.ndarray | float | None = None
     b: np.ndarray | None = None
+    packed: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
 
     @classmethod
     def gate(cls, alpha: float) -> "Fix":

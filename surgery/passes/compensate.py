@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from surgery import metadata
+from surgery import metadata, nbits, nodes
 from surgery.blocks import BlockMap, branch_nodes, find_blocks
 from surgery.errors import SurgeryError
 from surgery.metadata import tag
@@ -56,8 +56,8 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
         attn = projection.producing(values[block.attn_out], layer, "attn_out", why="compensate")
         mlp = projection.producing(values[block.mlp_out], layer, "mlp_out", why="compensate")
         (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
-        projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o), node_name(NAME, layer, "o_proj"))
-        out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down), node_name(NAME, layer, "down_proj"))
+        projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o, fix.packed[0]), node_name(NAME, layer, "o_proj"))
+        out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down, fix.packed[1]), node_name(NAME, layer, "down_proj"))
         for node in {attn.node, mlp.node, out.producer()}:
             tag(node, NAME, layer)
         mlp.node.metadata_props[metadata.FIX] = fix.describe()
@@ -72,7 +72,7 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
     """Why `block` cannot be compensated (fused, or parallel as exported), or None."""
     if block.fused:
         return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
-    if (why := projection.quantized_refusal(model, block, "compensate")) is not None:
+    if (why := projection.unreadable(model, block, "compensate")) is not None:
         return why
     if block.post_norm:
         return (
@@ -103,22 +103,46 @@ def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
     values, e = board.values, board.emitter(prefix)
     attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why=NAME)
     mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why=NAME)
-    for p, (w, b), what in zip((attn, mlp), fix.fold(attn, mlp), ("o_proj", "down_proj")):
-        w, b = projection.rounded(p, w, b)
+    for p, (w, b), packed, what in zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")):
+        w, b = projection.rounded(p, w, b, packed)
         stored = board.weight(f"{prefix}/{what}/weight", w.T if p.transposed else w)
-        p.node.replace_input_with(1, e.op("Where", [on, stored, p.node.inputs[1]], f"{what}/weight_on"))
+        bias = None if b is None else board.weight(f"{prefix}/{what}/bias", b)
+        inner = p.unscaled  # where a bias the projection did not have is added
+        if p.quant is not None:  # a second MatMulNBits: ORT computes one whose codes are not a constant differently
+            chosen = _quantized_switch(board, p, on, stored, bias, f"{prefix}/{what}")
+            inner = chosen if inner is p.node.outputs[0] else inner
+            if p.bias_site == (p.node, nbits.BIAS):
+                continue
+        else:
+            p.node.replace_input_with(1, e.op("Where", [on, stored, p.node.inputs[1]], f"{what}/weight_on"))
         if b is None:
             continue
-        bias = board.weight(f"{prefix}/{what}/bias", b)
         if p.bias_site is not None:
             node, i = p.bias_site
             node.replace_input_with(i, e.op("Where", [on, bias, node.inputs[i]], f"{what}/bias_on"))
             continue
         zeros = board.weight(f"{prefix}/{what}/no_bias", np.zeros(len(b), b.dtype))
-        uses = list(p.unscaled.uses())
-        added = e.op("Add", [p.unscaled, e.op("Where", [on, bias, zeros], f"{what}/bias_on")], f"{what}/out")
+        uses = list(inner.uses())
+        added = e.op("Add", [inner, e.op("Where", [on, bias, zeros], f"{what}/bias_on")], f"{what}/out")
         for user, i in uses:
             user.replace_input_with(i, added)
+
+
+def _quantized_switch(board, p: projection.Projection, on: ir.Value, codes: ir.Value, bias: ir.Value | None, prefix: str) -> ir.Value:
+    """What read p.node's output reads, while `on`, the output of a copy of it with `codes` (and `bias`, when the
+    node holds its bias), computed inside an If only then; returns the If's output."""
+    inputs = list(p.node.inputs)
+    inputs[nbits.B] = codes
+    if bias is not None and p.bias_site == (p.node, nbits.BIAS):
+        inputs[nbits.BIAS] = bias
+    copy = nodes.copy(p.node, inputs, prefix)
+    out = p.node.outputs[0]
+    uses = list(out.uses())
+    chosen = nodes.if_else(on, ([copy], copy.outputs[0]), out, f"{prefix}/chosen")
+    board.graph.append(chosen)
+    for user, i in uses:
+        user.replace_input_with(i, chosen.outputs[0])
+    return chosen.outputs[0]
 
 
 def _fix_added(board, e: Emitter, current: ir.Value, block: BlockMap, fix: Fix, prefix: str) -> ir.Value:

@@ -1,5 +1,6 @@
-"""Linear projections as the graph computes them: MatMul(x, W) [+ b], or Reshape-Gemm-Reshape (optimum's GPT-2);
-a branch output may scale one by a constant before the residual add (Granite's residual_multiplier).
+"""Linear projections as the graph computes them: MatMul(x, W) [+ b], Reshape-Gemm-Reshape (optimum's GPT-2), or
+MatMulNBits(x, codes, scales) [+ b] (block-quantized weights, surgery.nbits); a branch output may scale one by a
+constant before the residual add (Granite's residual_multiplier).
 
 Passes that fold something into a block's weights find them here, and write new weights back as
 new initializers (the old ones, maybe on external data, are never modified).
@@ -12,7 +13,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from surgery import nodes, ops
+from surgery import nbits, nodes, ops
 from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
 
@@ -30,6 +31,7 @@ class Projection:
     bias_site: tuple[ir.Node, int] | None = None  # (node, input index) of the bias constant
     scale: float = 1.0  # a branch output: output = scale * (input @ weight + bias), the scale a Mul by a constant
     linear: ir.Value | None = None  # the value before that Mul (None: output itself)
+    quant: nbits.Quantized | None = None  # MatMulNBits: its codes, scales and zero points (weight: dequantized, float64)
 
     @property
     def unscaled(self) -> ir.Value:
@@ -116,6 +118,13 @@ def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projec
                 break
     if node is not None and node.op_type == "MatMul" and (w := constant(node.inputs[1])) is not None and w.ndim == 2:
         return Projection(node.inputs[0], out, w, bias, node, bias_site=site)
+    if node is not None and node.op_type == nbits.OP:
+        if (reason := nbits.refusal(node)) is not None:
+            raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is MatMulNBits, and {reason}")
+        if bias is None and len(node.inputs) > nbits.BIAS and node.inputs[nbits.BIAS] is not None:
+            bias, site = constant(node.inputs[nbits.BIAS]), (node, nbits.BIAS)
+        q = nbits.read(node)
+        return Projection(node.inputs[0], out, q.dequantize(), bias, node, bias_site=site, quant=q)
     if node is not None and node.op_type == "Reshape":
         gemm = node.inputs[0].producer()
         first = gemm.inputs[0].producer() if gemm is not None and gemm.op_type == "Gemm" else None
@@ -123,7 +132,17 @@ def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projec
             p = _gemm_after(first, first.inputs[0])
             if p is not None:
                 return dataclasses.replace(p, input=first.inputs[0], output=out)
-    raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is not a MatMul or Gemm with constant weights")
+    raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is not a MatMul, Gemm or MatMulNBits with constant weights")
+
+
+def quantized_node(out: ir.Value) -> ir.Node | None:
+    """The MatMulNBits node computing a branch output (through a residual multiplier and a bias Add), or None;
+    no weight is read."""
+    scaled = _scaled(out)
+    node = (scaled[0] if scaled else out).producer()
+    if node is not None and node.op_type == "Add":
+        node = next((node.inputs[1 - i].producer() for i in (0, 1) if (b := constant(node.inputs[i])) is not None and b.ndim == 1), node)
+    return node if node is not None and node.op_type == nbits.OP else None
 
 
 def _scaled(out: ir.Value) -> tuple[ir.Value, float] | None:
@@ -139,8 +158,14 @@ def _scaled(out: ir.Value) -> tuple[ir.Value, float] | None:
     return None
 
 
-def rounded(p: Projection, weight: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """A folded (float64) weight and bias for `p`, rounded once to the type of p's weight."""
+def rounded(p: Projection, weight: np.ndarray, bias: np.ndarray | None, packed: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray | None]:
+    """A folded (float64) weight and bias for `p` as the graph stores them: rounded once to the type of p's weight,
+    or for MatMulNBits requantized on its own scales (`packed`: the codes already chosen, error-aware; else rounded
+    to nearest) and the bias in its scales' type."""
+    if p.quant is not None:
+        codes = packed if packed is not None else p.quant.packed(p.quant.round(weight))
+        return codes, None if bias is None else bias.astype(p.quant.dtype)
     dtype = p.weight.dtype
     return weight.astype(dtype), None if bias is None else bias.astype(dtype)
 
@@ -182,6 +207,16 @@ def quantized(model: ir.Model, block: BlockMap) -> str | None:
             if node.op_type in ops.QUANTIZED:
                 bits = node.attributes["bits"].value if "bits" in node.attributes else 4
                 return f"{node.op_type} ({bits}-bit weights)"
+    return None
+
+
+def unreadable(model: ir.Model, block: BlockMap, why: str) -> str | None:
+    """One line saying why a pass that folds into the output projections refuses a block whose quantized weights
+    it cannot read as arrays (surgery.nbits.refusal), or None; read from the graph alone (no weight is loaded)."""
+    for branch in ("attn", "mlp"):
+        for node in branch_nodes(model, block, branch):
+            if node.op_type == nbits.OP and (reason := nbits.refusal(node)) is not None:
+                return f"cannot {why} block {block.layer}: its projection {node.name!r} is MatMulNBits, and {reason}"
     return None
 
 
