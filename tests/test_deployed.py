@@ -14,6 +14,7 @@ from surgery.analysis import probe as probe_graph
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
+from surgery.facts import embedding_table
 from surgery.passes import MODES, ablate, compensate, fuse, parallelize
 from surgery.passes.common import Fix
 
@@ -30,7 +31,8 @@ VARIANTS = {
     "ortopt-llama-rotary": ("llama", "ortopt", 0),  # ... and RotaryEmbedding
     "ortopt-gpt2": ("gpt2", "ortopt", 2),  # SkipLayerNormalization with the mlp bias folded in, FastGelu
 }
-BUILDS = {**VARIANTS, "genai-fp16": ("llama", "genai", "fp16")}  # builds some tests use beside the compared variants
+BUILDS = {**VARIANTS, "genai-fp16": ("llama", "genai", "fp16"), "genai-int4-qwen2": ("qwen2", "genai", "int4"),
+          "genai-int4-llama": ("llama", "genai", "int4")}  # builds some tests use beside the compared variants
 pytestmark = pytest.mark.xdist_group("deployed")
 
 
@@ -208,10 +210,40 @@ def test_fuse_and_compensate_match_the_hooked_hf_model(deployed):
     np.testing.assert_allclose(logits(fused), edited_logits(deployed.torch, IDS, parallel={0, 1, 2}), rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("name", ["genai-int4", "genai-int4-llama", "genai-int4-qwen2"])
+def test_fused_int4_blocks_equal_the_unfused_int4_rewrite(builds, name):
+    """llama tied and untied, qwen2 (qkv biases): fused MatMulNBits blocks, plain and compensated, equal the unfused
+    int4 rewrite to 1e-5 relative on logits (fp32 activations: op for op the same arithmetic); the fused form has
+    one normalisation and one [o ; down] MatMulNBits per block, and keeps every block's codes unless a fix is folded."""
+    model = graph.load(builds.variant(name))
+    layers = {0, 2}
+    fused = fuse(model, layers).model
+    assert [b.form for b in find_blocks(fused)] == ["fused", "sequential", "fused"]
+    count = lambda m, op: sum(n.op_type == op for n in m.graph)  # noqa: E731
+    assert count(fused, "MatMulNBits") == count(model, "MatMulNBits") - 2 * len(layers)  # [gate|up], [o ; down]
+    reference = logits(exact(parallelize(model, layers).model))
+    np.testing.assert_allclose(logits(exact(fused)), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    rng = np.random.default_rng(4)
+    d = embedding_table(model)[1]
+    fixes = {l: Fix(0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d)) for l in layers}
+    compensated = logits(exact(compensate(model, fixes).model))
+    np.testing.assert_allclose(logits(exact(fuse(model, layers, fixes).model)), compensated, rtol=1e-5, atol=1e-5 * np.abs(compensated).max())
+    assert np.abs(compensated - reference).max() > 100 * 1e-5 * np.abs(reference).max()
+
+
 @pytest.mark.parametrize("deployed", ["genai-int4"], indirect=True)
-def test_folding_passes_on_quantized_weights_refuse_in_one_line(deployed):
-    with pytest.raises(SurgeryError, match=r"^cannot fuse block 0: .*MatMulNBits"):
-        fuse(deployed.onnx, {0})
+def test_int4_blocks_that_cannot_be_folded_into_say_why_in_one_line(deployed):
+    model = deployed.onnx.clone()
+    o_proj = next(n for n in model.graph if n.op_type == "MatMulNBits" and "layers.0/attn/o_proj" in n.name)
+    down = next(n for n in model.graph if n.op_type == "MatMulNBits" and "layers.0/mlp/down_proj" in n.name)
+    for node in (o_proj, down):  # read from the attributes alone: the codes are not looked at
+        node.attributes["block_size"] = ir.AttrInt64("block_size", 4 * o_proj.attributes["K"].value)
+    with pytest.raises(SurgeryError, match=r"^cannot fuse block 0: .*K \(\d+\) is not a multiple of its block size"):
+        fuse(model, {0})
+    o_proj.attributes["bits"] = ir.AttrInt64("bits", 3)
+    for verb, run in (("fuse", lambda: fuse(model, {0})), ("compensate", lambda: compensate(model, {0: Fix.gate(0.9)}))):
+        with pytest.raises(SurgeryError, match=rf"^cannot {verb} block 0: .*MatMulNBits, and its weights are 3-bit"):
+            run()
 
 
 @pytest.mark.parametrize("deployed", ["genai-int4"], indirect=True)

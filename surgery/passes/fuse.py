@@ -18,8 +18,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import metadata, nodes
-from surgery.blocks import BlockMap, block_norms, find_blocks
+from surgery import metadata, nbits, nodes
+from surgery.blocks import BlockMap, block_norms, branch_nodes, find_blocks
 from surgery.errors import SurgeryError
 from surgery.metadata import tag
 from surgery.nodes import Emitter, values_by_name
@@ -63,10 +63,10 @@ def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | No
 
 def refusal(model: ir.Model, block: BlockMap) -> str | None:
     """Why `block` cannot be fused, or None; read from the graph before any work (no weight is loaded)."""
-    if (why := projection.quantized_refusal(model, block, "fuse")) is not None:
-        return why
     if block.fused:
         return None  # fuse says it is already fused
+    if (why := projection.unreadable(model, block, "fuse")) is not None:
+        return why
     if block.post_norm:
         return (
             f"cannot fuse block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so attn_out "
@@ -75,10 +75,14 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
     values = values_by_name(model)
     try:
         ln1, ln2 = block_norms(model, block, values)
-        for ln in (ln1, ln2):
-            projection.reading(values[ln.output], block.layer)
-        projection.producing(values[block.attn_out], block.layer, "attn_out")
-        projection.producing(values[block.mlp_out], block.layer, "mlp_out")
+        if _quantized(model, block):
+            if (why := _nbits_refusal(block, values, ln1, ln2)) is not None:
+                return why
+        else:
+            for ln in (ln1, ln2):
+                projection.reading(values[ln.output], block.layer)
+            projection.producing(values[block.attn_out], block.layer, "attn_out")
+            projection.producing(values[block.mlp_out], block.layer, "mlp_out")
     except SurgeryError as e:
         return str(e)
     if ln1.kind != ln2.kind:
@@ -89,7 +93,49 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
     return None
 
 
+def _quantized(model: ir.Model, block: BlockMap) -> bool:
+    return any(n.op_type == nbits.OP for branch in ("attn", "mlp") for n in branch_nodes(model, block, branch))
+
+
+def _readers(source: ir.Value) -> list[tuple[ir.Node, int]]:
+    """What reads an ln output, but for shape arithmetic."""
+    return [(user, i) for user, i in source.uses() if user.op_type != "Shape"]
+
+
+def _attrs(node: ir.Node) -> tuple[int, int, int]:
+    """(bits, block_size, accuracy_level): what MatMulNBits nodes must share to be one."""
+    a = {k: v.value for k, v in node.attributes.items()}
+    return a.get("bits", 4), a["block_size"], a.get("accuracy_level", 0)
+
+
+def _nbits_refusal(block: BlockMap, values: dict[str, ir.Value], ln1, ln2) -> str | None:
+    """Why a block of MatMulNBits projections cannot be fused without requantizing, or None; no weight is read."""
+    layer = block.layer
+    for which, ln in (("ln1", ln1), ("ln2", ln2)):
+        readers = _readers(values[ln.output])
+        plain = [u for u, i in readers if u.op_type != nbits.OP or i != 0]
+        if plain:
+            return (f"cannot fuse block {layer}: {which}'s output feeds {plain[0].op_type} {plain[0].name!r} beside MatMulNBits "
+                    "projections; parallelize it without --fuse")
+        if len({_attrs(u) for u, _ in readers}) > 1:
+            return (f"cannot fuse block {layer}: the MatMulNBits projections reading {which} differ in bits, block size or "
+                    "accuracy level, so they cannot be one; parallelize it without --fuse")
+    o_proj, down = projection.quantized_node(values[block.attn_out]), projection.quantized_node(values[block.mlp_out])
+    if o_proj is None or down is None:
+        return f"cannot fuse block {layer}: its output projections mix MatMulNBits and float weights; parallelize it without --fuse"
+    (bits, block_size, level), k_o = _attrs(o_proj), o_proj.attributes["K"].value
+    if _attrs(down) != (bits, block_size, level):
+        return (f"cannot fuse block {layer}: W_o and W_down differ in bits, block size or accuracy level, so [o ; down] cannot "
+                "be one MatMulNBits; parallelize it without --fuse")
+    if k_o % block_size:
+        return (f"cannot fuse block {layer}: W_o's K ({k_o}) is not a multiple of its block size ({block_size}), so [o ; down] "
+                "cannot be one MatMulNBits along K without requantizing; parallelize it without --fuse")
+    return None
+
+
 def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
+    if _quantized(model, block):
+        return _fuse_nbits_block(model, block, values, fix)
     g, layer = model.graph, block.layer
     ln1, ln2 = block_norms(model, block, values)
     x = values[block.resid_pre]
@@ -150,6 +196,99 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
         tag(node, NAME, layer)
     g.extend(built)
     values[block.resid_post].replace_all_uses_with(post, replace_graph_outputs=True)
+
+
+def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
+    """The fused form on MatMulNBits weights, without requantizing an unfixed weight: an ln scale varies along K
+    inside a quantization block, so it cannot go into the codes or the scales, and each ln's scale stays a Mul of
+    the one normalisation. So [q|k|v] and [gate|up] are one MatMulNBits each (rows, scales and zero points
+    concatenated along N; a GenAI qkv_proj is one already), and [o ; down] one along K, its blocks concatenated
+    (a residual multiplier goes into its scales)."""
+    g, layer = model.graph, block.layer
+    ln1, ln2 = block_norms(model, block, values)
+    x = values[block.resid_pre]
+    attn_out = projection.producing(values[block.attn_out], layer, "attn_out")
+    mlp_out = projection.producing(values[block.mlp_out], layer, "mlp_out")
+    built: list[ir.Node] = []
+    e = Emitter(node_name(NAME, layer, "").rstrip("/"), nodes=built)
+    op = e.op
+    const = lambda what, array: nodes.initializer(g, e.name(what), array)  # noqa: E731
+    dtype = attn_out.quant.dtype
+    d_model = int(values[ln1.scale].shape[0])
+    n = _normalize(op, const, x, ln1, d_model, dtype)
+    for which, ln in (("ln1", ln1), ("ln2", ln2)):
+        out = values[ln.output]
+        for user, index in list(out.uses()):
+            if user.op_type == "Shape":
+                user.replace_input_with(index, x)
+        scaled = op("Mul", [n, values[ln.scale]], f"{which}_scale")
+        if ln.bias is not None:
+            scaled = op("Add", [scaled, values[ln.bias]], f"{which}_bias")
+        readers = [u for u, _ in _readers(out)]
+        if len(readers) == 1:  # one projection already (GenAI's qkv_proj): it reads the scaled norm as it is
+            readers[0].replace_input_with(0, scaled)
+            continue
+        one = _concatenated(g, readers, scaled, e.name(f"{which}_proj"))
+        built.append(one)
+        sizes = const(f"{which}_split_sizes", np.array([u.attributes["N"].value for u in readers], dtype=np.int64))
+        pieces = op("Split", [one.outputs[0], sizes], f"{which}_split", num_outputs=len(readers), axis=-1)
+        for reader, piece in zip(readers, pieces):
+            reader.outputs[0].replace_all_uses_with(piece)
+
+    (w_o, b_o), (w_down, b_down) = fix.fold(attn_out, mlp_out)
+    (codes_o, b_o), (codes_down, b_down) = (projection.rounded(p, w, b, packed) for p, w, b, packed in
+                                            ((attn_out, w_o, b_o, fix.packed[0]), (mlp_out, w_down, b_down, fix.packed[1])))
+    qo, qd = attn_out.quant, mlp_out.quant
+    scales = np.concatenate([qo.scales * attn_out.scale, qd.scales * mlp_out.scale], axis=1).astype(dtype)
+    inputs: list[ir.Value | None] = [
+        op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1),
+        const("w_out", np.concatenate([codes_o, codes_down], axis=1)),
+        const("w_out_scales", scales.reshape(-1) if values_of(attn_out.node, nbits.SCALES).ndim == 1 else scales),
+    ]
+    if any(len(p.node.inputs) > nbits.ZERO_POINTS and p.node.inputs[nbits.ZERO_POINTS] is not None for p in (attn_out, mlp_out)):
+        zeros = np.concatenate([qo.zeros, qd.zeros], axis=1)
+        inputs.append(const("w_out_zero_points", nbits.pack(zeros, qo.bits).reshape(-1)))
+    one = nodes.copy(attn_out.node, inputs, e.name("out_proj"))
+    one.attributes["K"] = ir.AttrInt64("K", qo.k + qd.k)
+    built.append(one)
+    both = one.outputs[0]
+    if not fix.is_identity:
+        one.metadata_props[metadata.FIX] = fix.describe()
+    b_out = sum((b.astype(np.float64) * p.scale for b, p in ((b_o, attn_out), (b_down, mlp_out)) if b is not None), np.zeros(qo.n))
+    if np.any(b_out):
+        both = op("Add", [both, const("b_out", b_out.astype(dtype))], "out_proj_bias")
+    post = op("Add", [x, both], "resid_post")
+    for node in built:
+        tag(node, NAME, layer)
+    g.extend(built)
+    values[block.resid_post].replace_all_uses_with(post, replace_graph_outputs=True)
+
+
+def values_of(node: ir.Node, index: int) -> np.ndarray:
+    return node.inputs[index].const_value.numpy()
+
+
+def _concatenated(g: ir.Graph, readers: list[ir.Node], source: ir.Value, name: str) -> ir.Node:
+    """One MatMulNBits reading `source` whose N is the readers' Ns in order: codes, scales, zero points (unpacked,
+    concatenated, packed again per row) and biases concatenated along N."""
+    quants = [nbits.read(u) for u in readers]
+    first = quants[0]
+    inputs: list[ir.Value | None] = [source, nodes.initializer(g, f"{name}/weight", np.concatenate([values_of(u, nbits.B) for u in readers], axis=0))]
+    scales = np.concatenate([q.scales for q in quants], axis=0).astype(first.dtype)
+    inputs.append(nodes.initializer(g, f"{name}/scales", scales.reshape(-1) if values_of(readers[0], nbits.SCALES).ndim == 1 else scales))
+    has = lambda u, i: len(u.inputs) > i and u.inputs[i] is not None  # noqa: E731
+    zero_points = any(has(u, nbits.ZERO_POINTS) for u in readers)
+    biases = any(has(u, nbits.BIAS) for u in readers)
+    inputs.append(nodes.initializer(g, f"{name}/zero_points", nbits.pack(np.concatenate([q.zeros for q in quants], axis=0), first.bits).reshape(-1))
+                  if zero_points else None)
+    if biases:
+        inputs += [None, nodes.initializer(g, f"{name}/bias", np.concatenate(
+            [values_of(u, nbits.BIAS) if has(u, nbits.BIAS) else np.zeros(q.n, first.dtype) for u, q in zip(readers, quants)]).astype(first.dtype))]
+    while inputs[-1] is None:
+        inputs.pop()
+    one = nodes.copy(readers[0], inputs, name)
+    one.attributes["N"] = ir.AttrInt64("N", sum(q.n for q in quants))
+    return one
 
 
 def _normalize(op, const, x, ln, d_model: int, np_dtype):
