@@ -256,7 +256,8 @@ def parallelize(
     from surgery.layers import format_layers
 
     forms = sel.counts()
-    split = f": {forms['compensated']} compensated, {forms['plain']} plain" if sel.fit else ""
+    codes = {"gptq": "codes chosen error-aware", "nearest": "codes rounded to nearest"}.get(sel.requantize)
+    split = f": {forms['compensated']} compensated{f' (MatMulNBits {codes})' if codes else ''}, {forms['plain']} plain" if sel.fit else ""
     w = outcome.windows
     fit_line = f"{sel.fit_passes} fit pass{'es' if sel.fit_passes != 1 else ''} over {w['fit']['count']} fit windows{' (with the refit)' if sel.refit else ''}, " if sel.fit else ""
     lines = [

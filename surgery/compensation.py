@@ -484,16 +484,23 @@ def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1,
     return chunks
 
 
+def quantized_outputs(model: ir.Model) -> dict[int, tuple[ir.Node, ir.Node]]:
+    """The blocks whose W_o and W_down are both MatMulNBits -> those two nodes; no weight is read."""
+    values = values_by_name(model)
+    found = {}
+    for block in find_blocks(model):
+        o_proj, down = (projection.quantized_node(values[v]) for v in (block.attn_out, block.mlp_out))
+        if o_proj is not None and down is not None:
+            found[block.layer] = (o_proj, down)
+    return found
+
+
 def _input_widths(model: ir.Model, layers: Collection[int], requantize: str = "gptq") -> dict[int, tuple[int, ...]]:
     """Per layer, K of W_o and of W_down where both are MatMulNBits and requantized error-aware (their inputs'
-    second moments are gathered in the fit pass), else (); no weight is read."""
-    values = values_by_name(model)
-    widths = {}
-    for block in find_blocks(model):
-        found = [projection.quantized_node(values[v]) for v in (block.attn_out, block.mlp_out)]
-        if block.layer in layers and requantize == "gptq" and all(found):
-            widths[block.layer] = tuple(int(node.attributes["K"].value) for node in found)
-    return widths
+    second moments are gathered in the fit pass)."""
+    if requantize != "gptq":
+        return {}
+    return {l: tuple(int(n.attributes["K"].value) for n in pair) for l, pair in quantized_outputs(model).items() if l in layers}
 
 
 def requantized(model: ir.Model, block: BlockMap, fix: Fix, grams: dict[str, np.ndarray]) -> Fix:

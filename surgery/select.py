@@ -119,6 +119,7 @@ class Selection:
     candidates: int = 0  # sequential blocks that could be chosen, ranked
     stopped: str | None = None  # why the greedy stopped before the last candidate
     fit_memory: int | None = None  # the bytes one fit pass's normal equations could take (--fit-memory)
+    requantize: str | None = None  # how chosen compensated MatMulNBits blocks' codes were chosen (None: none is chosen)
 
     @property
     def uncompensated(self) -> dict[int, str]:
@@ -157,6 +158,7 @@ class Selection:
             "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit,
             "uncompensated": {str(k): v for k, v in self.uncompensated.items()},
             "fit_passes": self.fit_passes, "fit_memory": self.fit_memory, "fit_seconds": self.fit_seconds, "forward_passes": self.forward_passes,
+            "requantize": self.requantize,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
@@ -317,6 +319,7 @@ def select_layers(
         candidates=len(candidates),
         stopped=stopped,
         fit_memory=memory,
+        requantize=requantize if set(compensation.quantized_outputs(model)) & {l for l, f in chosen.items() if f == "compensated"} else None,
     )
 
 

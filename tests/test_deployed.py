@@ -15,7 +15,7 @@ from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
-from surgery.passes import MODES, ablate, compensate, fuse, parallelize
+from surgery.passes import MODES, ablate, compensate, fuse, parallelize, projection
 from surgery.passes.common import Fix
 
 IDS = np.random.default_rng(2).integers(0, 512, size=(2, 9))
@@ -369,7 +369,8 @@ def test_an_op_the_table_does_not_know_is_one_line(tmp_path):
 
 def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tmp_path):
     """The same weights built by the GenAI builder and by optimum: the one-pass scores and the single-layer
-    dNLLs agree; auto on the int4 build keeps every block plain (its fix cannot be folded into MatMulNBits)."""
+    dNLLs agree; auto on the int4 build ranks by C_l^comp and writes compensated MatMulNBits blocks, their codes
+    chosen error-aware, with as many MatMulNBits as the input."""
     from surgery import select
     from surgery.diagnostics import diagnose
 
@@ -380,10 +381,14 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
     for section, key in (("deficit", "deficit"), ("defect", "c"), ("defect", "c_stream"), ("gate", "alpha"), ("defect", "dnll_parallel")):
         np.testing.assert_allclose(reports[1][section][key], reports[0][section][key], rtol=1e-3, atol=1e-5, err_msg=key)
 
-    outcome, _ = select.auto(builds.variant("genai-int4"), tmp_path / "auto", seq_len=64, fit_windows=4, windows=2, eval_windows=2, measure_latency=False)
+    outcome, written = select.auto(builds.variant("genai-int4"), tmp_path / "auto", seq_len=64, fit_windows=4, windows=2, eval_windows=2,
+                                   measure_latency=False, budget=select.Budget(None, None))
     chosen = outcome.selection
-    assert chosen.layers and set(chosen.forms.values()) == {"plain"}
-    assert all(chosen.fits[layer].fix is None and "MatMulNBits" in chosen.fits[layer].note for layer in range(3))
+    assert chosen.score == "c_comp" and chosen.layers == (0, 1, 2) and set(chosen.forms.values()) == {"compensated"}
+    assert chosen.requantize == "gptq" and all(chosen.fits[layer].fix.packed[0] is not None for layer in range(3))
+    count = lambda path: sum(n.op_type == "MatMulNBits" for n in ir.load(path).graph)  # noqa: E731
+    assert count(written) == count(graph.resolve(builds.variant("genai-int4")))
+    assert [b.fix for b in find_blocks(graph.load(written))] == ["compensated"] * 3
 
 
 @pytest.mark.parametrize("name", ["genai-fp32", "genai-int4"])
@@ -401,3 +406,41 @@ def test_kl_and_top1_agreement_equal_numpy_on_genai_graphs(builds, name, tmp_pat
     assert got.kl == pytest.approx(expected["kl"], rel=1e-5, abs=1e-7)
     assert got.p99 == pytest.approx(expected["p99"], rel=1e-5, abs=1e-6)
     assert got.top1 == pytest.approx(expected["top1"])
+
+
+@pytest.mark.parametrize("deployed", ["genai-int4"], indirect=True)
+def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_error_aware(deployed):
+    """The fit pass on an int4 graph sums x x' of W_o's input and of the parallel block's W_down input (the HF model
+    with the dequantized weights, block 1 parallel, hooks on o_proj and down_proj; token 0 left out), and each fix
+    carries the GPTQ codes of W_o (I + w_a) and W_down (I + w_p) on those moments; `nearest` leaves them to the fold."""
+    from surgery import compensation, data
+    from surgery.analysis import switchboard as board_graph
+    from tests.reference import Edits
+
+    torch = pytest.importorskip("torch")
+    model, hf = exact(deployed.onnx), deployed.torch
+    windows = data.Windows(IDS, np.zeros(len(IDS), np.int64), np.zeros(len(IDS), np.int64), "ids")
+    seen = {"o_in": [], "down_in": []}
+    layer = hf.model.layers[1]
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen["o_in"].append(a[0][:, 1:].double().numpy())),
+             layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: seen["down_in"].append(a[0][:, 1:].double().numpy()))]
+    try:
+        with Edits(hf, parallel={1}), torch.no_grad():
+            hf(input_ids=torch.from_numpy(IDS), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    graph_ = compensation.fit_graph(model, layers=[1])
+    sums, *_ = compensation.Accumulator(graph_).run([1], IDS, 0, board_graph.switches(compensation.KINDS, 3))
+    for name, xs in seen.items():
+        x = np.concatenate(xs, axis=0).reshape(-1, xs[0].shape[-1])
+        expected = x.T @ x
+        np.testing.assert_allclose(sums[1].grams[name], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    fit = compensation.fit(model, windows, [1])[1]
+    values = nodes.values_by_name(model)
+    block = find_blocks(model)[1]
+    attn, mlp = (projection.producing(values[v], 1, v) for v in (block.attn_out, block.mlp_out))
+    for p, (w, _), packed, name in zip((attn, mlp), fit.fix.fold(attn, mlp), fit.fix.packed, ("o_in", "down_in")):
+        np.testing.assert_array_equal(packed, p.quant.packed(p.quant.gptq(w, sums[1].grams[name])))
+        assert not np.array_equal(packed, p.quant.packed(p.quant.round(w)))  # error-aware is not rounding to nearest
+    assert compensation.fit(model, windows, [1], requantize="nearest")[1].fix.packed == (None, None)
