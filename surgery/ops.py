@@ -55,7 +55,6 @@ PROJECTIONS = {"MatMul": 1, "Gemm": 1, "FusedMatMul": 1, "MatMulNBits": 1, "MatM
 # Quantizers: op -> the input whose values its output 0 carries; its other inputs and outputs are scales and
 # zero points (onnxruntime.quantization's dynamic int8 and QDQ graphs).
 QUANTIZERS = {"DynamicQuantizeLinear": 0, "QuantizeLinear": 0, "DequantizeLinear": 0}
-QUANTIZED = frozenset({"MatMulNBits", "GatherBlockQuantized"})
 # Token embeddings: op -> (table input, input whose float type is the stream's).
 EMBEDDINGS = {"Gather": (0, 0), "GatherBlockQuantized": (0, 2)}
 # Contrib ops that act on each token alone and add nothing to the residual stream: activations,

@@ -36,6 +36,7 @@ class Options:
     device: str = "auto"  # "auto" (CUDA when usable), "cuda" or "cpu"
     profile: str | None = None  # file prefix: ORT writes a JSON profile of every kernel run there (see `placement`)
     memory_reuse: bool = True  # False: no plan of buffers shared between values (see `analysis`)
+    spinning: bool = True  # False: ORT's idle threads sleep at once instead of spinning (NumPy work between runs)
 
 
 def analysis(options: Options) -> Options:
@@ -121,6 +122,8 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> Sessi
     if options.threads:
         so.intra_op_num_threads = options.threads
     so.enable_mem_reuse = options.memory_reuse
+    if not options.spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if options.profile:
         so.enable_profiling = True
         so.profile_file_prefix = options.profile

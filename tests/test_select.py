@@ -159,8 +159,8 @@ def test_a_kl_budget_keeps_the_chosen_set_inside_it(fixture_path):
 
 
 @pytest.mark.parametrize("flag, value", [("--max-kl", "0"), ("--max-kl", "-0.1"), ("--max-kl", "nan"), ("--max-kl", "lots"),
-                                         ("--max-loss-increase", "-1"), ("--max-loss-increase", "inf")])
-def test_a_budget_that_is_not_a_positive_number_is_one_line(fixture_path, tmp_path, flag, value):
+                                         ("--max-loss-increase", "-1"), ("--max-loss-increase", "inf"), ("--requantize", "rtn")])
+def test_a_budget_or_option_that_is_not_one_is_one_line(fixture_path, tmp_path, flag, value):
     result = runner.invoke(app, ["parallelize", str(fixture_path("llama")), "-o", str(tmp_path / "out"), flag, value])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1 and flag in result.stderr
     assert not (tmp_path / "out").exists()

@@ -7,7 +7,9 @@
 
 Each ln's scale g (and LayerNorm bias b: b @ W) is folded into the weights, so the function equals
 parallel(l) up to float error. Attention internals (heads, rotary, KV cache, mask) are untouched:
-only the projections that read ln1 / ln2 and the two output projections are replaced.
+only the projections that read ln1 / ln2 and the two output projections are replaced. On MatMulNBits
+weights nothing is requantized (_fuse_nbits_block): the ln scales stay Muls, and the projections reading
+each ln become one MatMulNBits, [o ; down] another.
 """
 
 from __future__ import annotations

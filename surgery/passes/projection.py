@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from surgery import nbits, nodes, ops
+from surgery import nbits, nodes
 from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
 
@@ -200,16 +200,6 @@ def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.nda
     return out
 
 
-def quantized(model: ir.Model, block: BlockMap) -> str | None:
-    """The quantized op (MatMulNBits, ...) computing one of the block's projections, or None when all are plain."""
-    for branch in ("attn", "mlp"):
-        for node in branch_nodes(model, block, branch):
-            if node.op_type in ops.QUANTIZED:
-                bits = node.attributes["bits"].value if "bits" in node.attributes else 4
-                return f"{node.op_type} ({bits}-bit weights)"
-    return None
-
-
 def unreadable(model: ir.Model, block: BlockMap, why: str) -> str | None:
     """One line saying why a pass that folds into the output projections refuses a block whose quantized weights
     it cannot read as arrays (surgery.nbits.refusal), or None; read from the graph alone (no weight is loaded)."""
@@ -218,14 +208,3 @@ def unreadable(model: ir.Model, block: BlockMap, why: str) -> str | None:
             if node.op_type == nbits.OP and (reason := nbits.refusal(node)) is not None:
                 return f"cannot {why} block {block.layer}: its projection {node.name!r} is MatMulNBits, and {reason}"
     return None
-
-
-def quantized_refusal(model: ir.Model, block: BlockMap, why: str) -> str | None:
-    """One line saying why a pass that folds into the weights refuses a block with quantized projections."""
-    op = quantized(model, block)
-    if op is None:
-        return None
-    return (
-        f"cannot {why} block {block.layer}: its projections are {op}, and folding into them would need requantizing "
-        f"with a new rounding error; {why} the float model and quantize the result, or parallelize plain without it"
-    )
