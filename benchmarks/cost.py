@@ -23,8 +23,10 @@ The model counts what the code does (surgery/compensation.py, select.py, diagnos
   per zero found a forward-difference Jacobian of d mlp evaluations).
 
 Seconds come from rates measured here on one block of each shape (Rates.measure): ONNX Runtime's forward of a
-one-block decoder of the shape on 256 tokens, and diagnose's probe of it; the scored head (MatMul, LogSoftmax, KL against a reference) on a
-slice of the vocabulary; one window's NormalEquations.update (at d_model up to 2048, scaled by k^2); one layer's
+one-block decoder of the shape on 256 tokens, diagnose's probe of it, and a selection trial's run of it (its switchboard
+with a fix, scored as select scores trials: select.BATCH windows a run, against a reference); the scored head (MatMul,
+LogSoftmax, KL against a reference) on a slice of the vocabulary; one window's accumulation of one layer's sums in the
+fit's own Accumulator on the one-block decoder (at d_model up to 4096, scaled by k^2 above); one layer's
 solve (at d_model up to 1024, scaled by k^3); a session's setup per weight byte; the memory bandwidth. Memory adds
 what each stage holds: the weight copies of the loaded model and of each session (measured in a fresh process on
 one- and two-block models, with the weights on external data and inside the .onnx file), the fit pass's sums, the
@@ -120,7 +122,7 @@ class Rates:
 
     block: float  # one block's forward, 256 tokens (measured on a one-block decoder of the shape)
     head: float  # the scored head: MatMul, LogSoftmax and the KL against a reference, 256 tokens
-    update: float  # NormalEquations.update, 255 tokens (measured at d_model min(d, 2048), scaled by k^2)
+    update: float  # one window's accumulation of one layer's sums in the fit's own Accumulator, 255 tokens (at d_model min(d, 4096), scaled by k^2)
     solve: float  # NormalEquations.solve (measured at d_model min(d, 1024), scaled by k^3)
     bandwidth: float  # bytes/s of a float64 add (read two, write one)
     write: float  # bytes/s written to disk
@@ -129,6 +131,7 @@ class Rates:
     external: tuple[float, float, float]  # weights on external data: resident copies after graph.load, after a session of it; the session's fixed bytes
     inline: tuple[float, float, float] | None  # the same for weights inside the .onnx file (None: the shape's block is over 512 MiB)
     probe: float  # diagnose's probe of one 256-token window through one block: twin mlp, in-graph statistics, ranks
+    trial: float  # a selection trial's block per window: the one-block switchboard scored as select scores it (BATCH windows a run, compensated on)
 
     def copies(self, inline: bool) -> tuple[float, float, float]:
         return self.inline if inline and self.inline is not None else self.external
@@ -183,12 +186,14 @@ class Rates:
         x = rng.standard_normal((t, s.d)).astype(np.float32)
         ref = np.log(np.full((t, vocab), 1.0 / vocab, np.float32))
         head = _seconds(lambda: head_sess.run(None, {"x": x, "ref": ref}), 5) * s.vocab / vocab
-        d = min(s.d, 2048)
-        eq = NormalEquations(d)
-        a, p, delta = (rng.standard_normal((t - 1, d)).astype(np.float32) for _ in range(3))
-        eqs = [NormalEquations(d) for _ in range(max(2, min(8, (256 << 20) // NormalEquations.nbytes(d))))]  # cold sums, as a pass over many layers
-        turn = iter(range(1 << 30))
-        update = _seconds(lambda: eqs[next(turn) % len(eqs)].update(0, a, p, delta, delta), max(9, 2 * len(eqs))) * (s.k / (2 * d + 1)) ** 2
+        trial = _trial(graph.load(folder), rng, t)
+        if s.d <= 4096:
+            update = _update(graph.load(folder), rng, t)
+        else:  # one layer's sums at d_model 8192 would take 6 GB: measured at 4096 and scaled by k^2
+            narrow = scratch / "update-4096"
+            big_decoder.write(narrow, 1, shape=dict(shape, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336))
+            update = _update(graph.load(narrow), rng, t) * (s.k / 8193) ** 2
+            shutil.rmtree(narrow)
         d = min(s.d, 1024)
         eq = NormalEquations(d)
         mix = rng.standard_normal((d, d)).astype(np.float32) / d**0.5
@@ -199,7 +204,47 @@ class Rates:
         big, other = np.zeros(1 << 24), np.ones(1 << 24)
         bandwidth = 3 * big.nbytes / _seconds(lambda: big.__iadd__(other), 10)
         shutil.rmtree(folder)
-        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline, probe)
+        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline, probe, trial)
+
+
+def _update(model, rng, t: int, windows: int = 4) -> float:
+    """Seconds of one window's accumulation of one layer's sums, in the fit's own Accumulator (its session and
+    options: ORT's threads idle between runs), on a one-block model."""
+    from surgery.analysis import switchboard as board_graph
+    from surgery.compensation import KINDS, Accumulator, fit_graph
+
+    accumulator = Accumulator(fit_graph(model), runtime_options(spinning=False))
+    switches = board_graph.switches(KINDS, 1)
+    ids = rng.integers(0, 512, (windows, t))
+    accumulator.run([0], ids[:1], 0, switches)  # warm
+    return accumulator.run([0], ids, 0, switches)[3]["accumulate"] / windows
+
+
+def _trial(model, rng, t: int) -> float:
+    """Seconds per window of a selection trial's run of one block: the switchboard of the one-block model with a
+    compensation fix, scored against a reference in batches of select.BATCH windows, the block switched on."""
+    from surgery import evaluate
+    from surgery.analysis import switchboard as board_graph
+    from surgery.compensation import KINDS
+    from surgery.data import Windows
+    from surgery.facts import embedding_table
+    from surgery.passes import Fix
+    from surgery.select import BATCH
+
+    d = embedding_table(model)[1]
+    fix = Fix(w_a=0.01 * rng.standard_normal((d, d)), w_p=0.01 * rng.standard_normal((d, d)), b=np.zeros(d))
+    scorer = evaluate.Scorer(board_graph.switchboard(model, KINDS, {0: fix}), runtime_options(), compare=True)
+    windows = Windows(rng.integers(0, 512, (BATCH, t)), np.zeros(BATCH, np.int64), np.zeros(BATCH, np.int64), "random")
+    reference: list = []
+    scorer(windows, batch_size=BATCH, extra={board_graph.SWITCHES: board_graph.switches(KINDS, 1)}, record=reference)
+    on = {board_graph.SWITCHES: board_graph.switches(KINDS, 1, {KINDS[0]: {0}, KINDS[1]: {0}})}
+    return _seconds(lambda: scorer(windows, batch_size=BATCH, extra=on, reference=reference), 3) / BATCH
+
+
+def runtime_options(**kwargs):
+    from surgery import runtime
+
+    return runtime.Options(**kwargs)
 
 
 _COPIES = """
@@ -280,10 +325,12 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
     k, n = s.k, job.tokens - 1
     trials = s.layers if job.trials is None else job.trials
     compensated = s.layers if job.compensated is None else job.compensated
+    switch = 4 * (s.d * s.d + s.d * s.mlp) * compensated / s.layers  # a compensated switch's Where copies W_o, W_down
+    # a trial's block: measured here (the one-block switchboard, batched and scored as select runs it); on the GPU, the block and the copies
+    trial = r.trial * job.tokens / 256 if not device else block + switch / device["bandwidth"]
     sums = 2 * k * (3 * s.d + 1) * 8  # NormalEquations.nbytes
     runs = (1 + trials) * job.selection_windows
     where = runs * compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the compensated switches' weight copies
-    bandwidth = device["bandwidth"] if device else r.bandwidth
     parts = {
         "fit forward": dict(flops=job.fit_windows * s.layers * s.block_flops(job.tokens, twin=True),
                             bytes=job.fit_windows * s.weight_bytes(), seconds=job.fit_windows * s.layers * block * twin),
@@ -292,7 +339,7 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
                                seconds=job.fit_windows * s.layers * r.update * (n / 255)),
         "fit solve": dict(flops=s.layers * (13 * k**3 + 6 * k * k * s.d), bytes=s.layers * 6 * k * k * 8, seconds=s.layers * r.solve),
         "selection": dict(flops=runs * (s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)), bytes=runs * s.weight_bytes() + where,
-                          seconds=runs * (s.layers * block + head) + where / bandwidth),
+                          seconds=runs * (s.layers * trial + head)),  # the switches' Where copies are inside the measured trial
         "evaluation": dict(flops=2 * job.eval_windows * (s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)),
                            bytes=2 * job.eval_windows * s.weight_bytes(), seconds=2 * job.eval_windows * (s.layers * block + head)),
         "write": dict(flops=0, bytes=s.weight_bytes(), seconds=s.weight_bytes() / r.write),
@@ -343,7 +390,9 @@ def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
     }
     kept = s.layers * job.tokens * s.d * 4  # the unchanged run's resid_post per block, for the resumed runs
     loaded, session, fixed = r.copies(s.weight_bytes() < 2e9 if job.inline is None else job.inline)
-    # the prefix session stays open while the loss runs' session runs: two sessions of the model at the end
+    # the largest stage holds about two copies of the weights: on the 4-block model (1.23 GB) the probe peaked at 1.68 GB,
+    # the prefix stage at 2.53 GB (its session beside the pages of the loaded model's external data the probe and
+    # the critical points read: 0.88 GB before it), the loss runs at 2.16 GB
     return {"parts": parts, "memory": loaded * s.weight_bytes() + 2 * (session * s.weight_bytes() + fixed + s.layers * r.arena) + kept}
 
 
@@ -449,14 +498,14 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch)
     rows = [{"shape": name, "block (256 tokens)": f"{r.block * 1e3:.0f} ms", "head": f"{r.head * 1e3:.0f} ms",
-             "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "probe (a block, a window)": f"{r.probe * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
+             "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "probe (a block, a window)": f"{r.probe * 1e3:.0f} ms", "trial (a block, a window)": f"{r.trial * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
              "ORT beside a block's weights": f"{r.arena / 1e6:.0f} MB",
              "weight copies: loaded / session (+ fixed)": "; ".join(f"{kind} {a:.2f} / {b:.2f} (+{f / 1e6:.0f} MB)"
                                                                 for kind, c in (("external", r.external), ("inline", r.inline)) if c for a, b, f in [c])}
             for name, r in rates.items()]
     first = next(iter(rates.values()))
     print(f"measured here (memory {first.bandwidth / 1e9:.1f} GB/s, disk {first.write / 1e9:.2f} GB/s):\n")
-    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "probe (a block, a window)", "solve", "session", "ORT beside a block's weights", "weight copies: loaded / session (+ fixed)"]) + "\n")
+    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "probe (a block, a window)", "trial (a block, a window)", "solve", "session", "ORT beside a block's weights", "weight copies: loaded / session (+ fixed)"]) + "\n")
     if args.validate:
         print(validate(args.validate, rates) + "\n")
     print(project({name: rates[name] for name in names if name in LAYERS}))

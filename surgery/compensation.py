@@ -21,6 +21,12 @@ one forward pass over the windows however many there are. On Ray (`pool`) each a
 run of the windows and the driver adds the actors' sums in window order.
 Token 0 (the attention sink) is left out, as in every diagnostic.
 
+Quantized output projections (MatMulNBits W_o and W_down): the fix is fitted on the int4 graph's own activations,
+and the same pass sums x x' of each projection's input (the parallel block's, for W_down: K_o^2 + K_down^2 more
+doubles per layer); after the solve the codes of W_o (I + w_a) and W_down (I + w_p) are chosen on the node's own
+scales error-aware with those moments (GPTQ, surgery.nbits), kept in Fix.packed; `requantize="nearest"` gathers
+nothing and leaves them to the fold, which rounds to nearest.
+
 Drift-correcting fit (`drift`): with chosen blocks already rewritten (switched on), a block's fix is instead fitted
 to the original model's resid_post y of that block, kept from the first pass: target = y - (x' + A' + P') with
 x', A', P' from the rewritten model's stream, so the fix also undoes the drift that reaches the block from the
@@ -295,7 +301,7 @@ class Accumulator:
         self.session = runtime.session(graph, options)
         names = {arg.name for arg in self.session.get_inputs()} | {arg.name for arg in self.session.get_outputs()}
         self.resumes, self.hands_on = RESUME in names, STREAM in names
-        self.outputs = names
+        self.names = names
 
     def run(
         self,
@@ -319,7 +325,7 @@ class Accumulator:
         handed: list[np.ndarray] = []
         kept: dict[int, list[np.ndarray]] = {}
         clock = {"forward": 0.0, "accumulate": 0.0}
-        inputs = {l: [w for w in INPUT_TAPS if fit_tap(l, w) in self.outputs] for l in chunk}  # the fit graph's choice
+        inputs = {l: [w for w in INPUT_TAPS if fit_tap(l, w) in self.names] for l in chunk}  # as the fit graph has them
         names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS + tuple(inputs[l])] + ([STREAM] if self.hands_on else [])
         for j in range(len(ids)):
             extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}

@@ -120,6 +120,7 @@ def _diagnose(
             tell("prefix sensitivity", i + 1, len(cal))
         report["prefix"] = {"distances": dists, "sensitivity": (curves / len(cal)).tolist()}
         report["seconds"]["prefix"] = time.perf_counter() - start
+        del sess, p  # its weights: not held beside the loss runs' session
 
     if "defect" in only or "ablation" in only:
         start = time.perf_counter()

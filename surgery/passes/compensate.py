@@ -7,8 +7,10 @@ Each chosen block is parallelized (ln2 reads resid_pre) and its Fix folded into 
 
 so resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b with the ops of parallel(l)
 (plus one bias Add where the mlp projection had no bias and b is given). Products are taken in
-float64 and rounded once to each weight's own type (an fp16 graph stays fp16). New weights are new initializers: an external data
-file is never modified, and only the two projections of each chosen block are read.
+float64 and rounded once to each weight's own type (an fp16 graph stays fp16); MatMulNBits weights are requantized on
+the node's own scales and zero points (the fit's error-aware codes in Fix.packed, else rounded to nearest: surgery.nbits).
+New weights are new initializers: an external data file is never modified, and only the two projections of each chosen
+block are read.
 """
 
 from __future__ import annotations
