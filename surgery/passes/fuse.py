@@ -245,7 +245,7 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
     inputs: list[ir.Value | None] = [
         op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1),
         const("w_out", np.concatenate([codes_o, codes_down], axis=1)),
-        const("w_out_scales", scales.reshape(-1) if values_of(attn_out.node, nbits.SCALES).ndim == 1 else scales),
+        const("w_out_scales", scales.reshape(-1) if _array(attn_out.node, nbits.SCALES).ndim == 1 else scales),
     ]
     if any(len(p.node.inputs) > nbits.ZERO_POINTS and p.node.inputs[nbits.ZERO_POINTS] is not None for p in (attn_out, mlp_out)):
         zeros = np.concatenate([qo.zeros, qd.zeros], axis=1)
@@ -266,7 +266,8 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
     values[block.resid_post].replace_all_uses_with(post, replace_graph_outputs=True)
 
 
-def values_of(node: ir.Node, index: int) -> np.ndarray:
+def _array(node: ir.Node, index: int) -> np.ndarray:
+    """The constant input `index` of a node."""
     return node.inputs[index].const_value.numpy()
 
 
@@ -275,9 +276,9 @@ def _concatenated(g: ir.Graph, readers: list[ir.Node], source: ir.Value, name: s
     concatenated, packed again per row) and biases concatenated along N."""
     quants = [nbits.read(u) for u in readers]
     first = quants[0]
-    inputs: list[ir.Value | None] = [source, nodes.initializer(g, f"{name}/weight", np.concatenate([values_of(u, nbits.B) for u in readers], axis=0))]
+    inputs: list[ir.Value | None] = [source, nodes.initializer(g, f"{name}/weight", np.concatenate([_array(u, nbits.B) for u in readers], axis=0))]
     scales = np.concatenate([q.scales for q in quants], axis=0).astype(first.dtype)
-    inputs.append(nodes.initializer(g, f"{name}/scales", scales.reshape(-1) if values_of(readers[0], nbits.SCALES).ndim == 1 else scales))
+    inputs.append(nodes.initializer(g, f"{name}/scales", scales.reshape(-1) if _array(readers[0], nbits.SCALES).ndim == 1 else scales))
     has = lambda u, i: len(u.inputs) > i and u.inputs[i] is not None  # noqa: E731
     zero_points = any(has(u, nbits.ZERO_POINTS) for u in readers)
     biases = any(has(u, nbits.BIAS) for u in readers)
@@ -285,7 +286,7 @@ def _concatenated(g: ir.Graph, readers: list[ir.Node], source: ir.Value, name: s
                   if zero_points else None)
     if biases:
         inputs += [None, nodes.initializer(g, f"{name}/bias", np.concatenate(
-            [values_of(u, nbits.BIAS) if has(u, nbits.BIAS) else np.zeros(q.n, first.dtype) for u, q in zip(readers, quants)]).astype(first.dtype))]
+            [_array(u, nbits.BIAS) if has(u, nbits.BIAS) else np.zeros(q.n, first.dtype) for u, q in zip(readers, quants)]).astype(first.dtype))]
     while inputs[-1] is None:
         inputs.pop()
     one = nodes.copy(readers[0], inputs, name)
