@@ -444,3 +444,36 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
         np.testing.assert_array_equal(packed, p.quant.packed(p.quant.gptq(w, sums[1].grams[name])))
         assert not np.array_equal(packed, p.quant.packed(p.quant.round(w)))  # error-aware is not rounding to nearest
     assert compensation.fit(model, windows, [1], requantize="nearest")[1].fix.packed == (None, None)
+
+
+@pytest.mark.parametrize("name", ["genai-int4", "genai-int4-llama", "genai-int4-qwen2"])
+def test_compensated_int4_codes_are_numpy_s_rounding_of_the_folded_weight(builds, name):
+    """llama tied and untied, qwen2: the codes compensate writes for W_o and W_down are, byte for byte, NumPy's
+    dequantize (tests.reference) -> W (I + w) in float64 -> round half up on the node's scales -> pack, low nibble
+    first; the scales are the node's own, and every other MatMulNBits keeps its codes."""
+    from tests.reference import dequantize_matmul_nbits
+
+    model = graph.load(builds.variant(name))
+    d = embedding_table(model)[1]
+    rng = np.random.default_rng(6)
+    fix = Fix(0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d))
+    written = compensate(model, {1: fix}).model
+    before = {n.name: n for n in model.graph if n.op_type == "MatMulNBits"}
+    changed = 0
+    for node in (n for n in written.graph if n.op_type == "MatMulNBits"):
+        a = {k: v.value for k, v in node.attributes.items()}
+        codes, scales = (node.inputs[i].const_value.numpy() for i in (1, 2))
+        old = before[node.name]
+        np.testing.assert_array_equal(scales, old.inputs[2].const_value.numpy())
+        w = {"o_proj": fix.w_a, "down_proj": fix.w_p}.get(node.name.split("/")[-2]) if "layers.1/" in node.name else None
+        if w is None:
+            np.testing.assert_array_equal(codes, old.inputs[1].const_value.numpy())
+            continue
+        folded = dequantize_matmul_nbits(old.inputs[1].const_value.numpy(), scales, a["K"], a["N"], 4, a["block_size"]) @ (np.eye(d) + w)
+        step = np.repeat(scales.astype(np.float64).reshape(a["N"], -1), a["block_size"], axis=1)[:, : a["K"]]  # [N, K]
+        q = np.full((a["N"], codes.shape[1] * a["block_size"]), 8.0)
+        q[:, : a["K"]] = np.clip(np.floor(folded.T / step + 0.5) + 8, 0, 15)
+        q = q.astype(np.uint8).reshape(a["N"], -1, 2)
+        np.testing.assert_array_equal(codes, (q[..., 0] | (q[..., 1] << 4)).reshape(codes.shape))
+        changed += 1
+    assert changed == 2
