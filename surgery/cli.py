@@ -265,7 +265,8 @@ def parallelize(
         ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} of {sel.candidates} candidates tried, "
                       f"{len(sel.trials)} trials, {len(sel.layers)} kept" + (f"; stopped: {sel.stopped}" if sel.stopped else "")),
         ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''})"),
-        ("budget", f"{budget} nats on the selection windows' point estimates"),
+        ("budget", f"{budget} nats on the selection windows' point estimates" if budget.max_kl is not None or budget.max_loss_increase is not None
+                   else "none (--max-kl none, --max-loss-increase none)"),
     ]
     if sel.divergence is not None:
         lines.append(("selection", f"KL {sel.divergence}, top-1 {100 * sel.divergence.top1:.1f} %, dNLL {sel.dnll} ({w['selection']['tokens']} tokens)"))
