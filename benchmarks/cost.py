@@ -210,10 +210,11 @@ class Rates:
 def _update(model, rng, t: int, windows: int = 4) -> float:
     """Seconds of one window's accumulation of one layer's sums, in the fit's own Accumulator (its session and
     options: ORT's threads idle between runs), on a one-block model."""
+    from surgery import runtime
     from surgery.analysis import switchboard as board_graph
     from surgery.compensation import KINDS, Accumulator, fit_graph
 
-    accumulator = Accumulator(fit_graph(model), runtime_options(spinning=False))
+    accumulator = Accumulator(fit_graph(model), runtime.Options(spinning=False))
     switches = board_graph.switches(KINDS, 1)
     ids = rng.integers(0, 512, (windows, t))
     accumulator.run([0], ids[:1], 0, switches)  # warm
@@ -223,7 +224,7 @@ def _update(model, rng, t: int, windows: int = 4) -> float:
 def _trial(model, rng, t: int) -> float:
     """Seconds per window of a selection trial's run of one block: the switchboard of the one-block model with a
     compensation fix, scored against a reference in batches of select.BATCH windows, the block switched on."""
-    from surgery import evaluate
+    from surgery import evaluate, runtime
     from surgery.analysis import switchboard as board_graph
     from surgery.compensation import KINDS
     from surgery.data import Windows
@@ -233,18 +234,12 @@ def _trial(model, rng, t: int) -> float:
 
     d = embedding_table(model)[1]
     fix = Fix(w_a=0.01 * rng.standard_normal((d, d)), w_p=0.01 * rng.standard_normal((d, d)), b=np.zeros(d))
-    scorer = evaluate.Scorer(board_graph.switchboard(model, KINDS, {0: fix}), runtime_options(), compare=True)
+    scorer = evaluate.Scorer(board_graph.switchboard(model, KINDS, {0: fix}), runtime.Options(), compare=True)
     windows = Windows(rng.integers(0, 512, (BATCH, t)), np.zeros(BATCH, np.int64), np.zeros(BATCH, np.int64), "random")
     reference: list = []
     scorer(windows, batch_size=BATCH, extra={board_graph.SWITCHES: board_graph.switches(KINDS, 1)}, record=reference)
     on = {board_graph.SWITCHES: board_graph.switches(KINDS, 1, {KINDS[0]: {0}, KINDS[1]: {0}})}
     return _seconds(lambda: scorer(windows, batch_size=BATCH, extra=on, reference=reference), 3) / BATCH
-
-
-def runtime_options(**kwargs):
-    from surgery import runtime
-
-    return runtime.Options(**kwargs)
 
 
 _COPIES = """

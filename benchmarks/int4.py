@@ -73,9 +73,9 @@ def main() -> None:
     aware = {l: fits[l].fix for l in layers}
     nearest = {l: dataclasses.replace(f, packed=(None, None)) for l, f in aware.items()}
 
-    blocks, changed = find_blocks(model), []
+    blocks, values, changed = find_blocks(model), values_by_name(model), []
     for layer, fix in aware.items():  # how many codes each requantization moves, and that unfixed weights keep theirs
-        attn, mlp = _projections(model, blocks[layer])
+        attn, mlp = projection.outputs(values, blocks[layer], "compensate")
         for p, (w, _), packed in zip((attn, mlp), fix.fold(attn, mlp), fix.packed):
             assert np.array_equal(p.quant.round(p.weight), p.quant.codes)
             own = p.quant.packed(p.quant.codes)
@@ -102,12 +102,6 @@ def main() -> None:
             rows.append({"block": layer, **{name: row["KL [95 % CI]"] for name, row in scored(model, single, tuning).items()}})
         print("\neach block alone, KL on the tuning windows\n")
         print(table(rows, ["block", "plain", "nearest", "error-aware"]))
-
-
-def _projections(model, block):
-    values = values_by_name(model)
-    return (projection.producing(values[block.attn_out], block.layer, "attn_out", why="compensate"),
-            projection.producing(values[block.mlp_out], block.layer, "mlp_out", why="compensate"))
 
 
 if __name__ == "__main__":

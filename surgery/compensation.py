@@ -432,6 +432,7 @@ def fit(
             progress(done, total)
 
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
+    values: dict[str, ir.Value] | None = None
     for c, chunk in enumerate(chunks):
         graph = fit_graph(model, fixes, chunk, resume=chunk[0] if c else None, hand_on=chunks[c + 1][0] if c + 1 < len(chunks) else None,
                           inputs=requantize == "gptq")
@@ -466,7 +467,8 @@ def fit(
             if no_fold[layer]:  # scored, but its fix has nowhere to go: the block stays plain
                 results[layer] = dataclasses.replace(results[layer], fix=None, note=no_fold[layer])
             elif sums[layer].grams and results[layer].fix is not None:
-                fix = requantized(model, by_layer[layer], results[layer].fix, sums[layer].grams)
+                values = values if values is not None else values_by_name(model)  # once, for the first quantized block
+                fix = requantized(values, by_layer[layer], results[layer].fix, sums[layer].grams)
                 results[layer] = dataclasses.replace(results[layer], fix=fix)
         clock["solve"] += time.perf_counter() - start
         del sums
@@ -510,12 +512,10 @@ def _input_widths(model: ir.Model, layers: Collection[int], requantize: str = "g
     return {l: tuple(int(n.attributes["K"].value) for n in pair) for l, pair in quantized_outputs(model).items() if l in layers}
 
 
-def requantized(model: ir.Model, block: BlockMap, fix: Fix, grams: dict[str, np.ndarray]) -> Fix:
+def requantized(values: dict[str, ir.Value], block: BlockMap, fix: Fix, grams: dict[str, np.ndarray]) -> Fix:
     """`fix` with the codes of W_o (I + w_a) and W_down (I + w_p) chosen error-aware (surgery.nbits) on the second
-    moments of their inputs, `grams` (INPUT_TAPS)."""
-    values = values_by_name(model)
-    attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why="compensate")
-    mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why="compensate")
+    moments of their inputs, `grams` (INPUT_TAPS); values: the model's, by name."""
+    attn, mlp = projection.outputs(values, block, "compensate")
     (w_o, _), (w_down, _) = fix.fold(attn, mlp)
     packed = tuple(p.quant.packed(p.quant.gptq(w, grams[name])) for p, w, name in ((attn, w_o, "o_in"), (mlp, w_down, "down_in")))
     return dataclasses.replace(fix, packed=packed)

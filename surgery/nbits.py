@@ -29,10 +29,20 @@ DAMPING = 0.01  # of H's mean diagonal, added to it before the error-aware requa
 COLUMNS = 128  # GPTQ's lazy batch: columns rounded before the rest of the weight is updated
 
 
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.const_value is None:
-        return None
-    return value.const_value.numpy()
+def optional(node: ir.Node, index: int) -> ir.Value | None:
+    """The node's input `index`, None when it is left out (absent or empty)."""
+    return node.inputs[index] if len(node.inputs) > index else None
+
+
+def array(node: ir.Node, index: int) -> np.ndarray | None:
+    """The constant array of the node's input `index`, None when it is left out or not a constant."""
+    value = optional(node, index)
+    return None if value is None or value.const_value is None else value.const_value.numpy()
+
+
+def stored_scales(like: ir.Node, scales: np.ndarray) -> np.ndarray:
+    """[N, blocks] scales laid out as the node `like` stores its own: flat [N * blocks] or [N, blocks]."""
+    return scales.reshape(-1) if array(like, SCALES).ndim == 1 else scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +58,6 @@ class Quantized:
     zeros: np.ndarray
     blob: tuple[int, ...]  # B's shape
     dtype: np.dtype  # the scales' (and the activations') float type
-
-    @property
-    def blocks(self) -> int:
-        return self.scales.shape[1]
 
     def dequantize(self) -> np.ndarray:
         """The [K, N] float64 weight the node multiplies by."""
@@ -130,12 +136,12 @@ def refusal(node: ir.Node) -> str | None:
     bits = attrs.get("bits", 4)
     if bits not in (2, 4, 8):
         return f"its weights are {bits}-bit, and only 2-, 4- and 8-bit codes pack into whole bytes"
-    if len(node.inputs) > G_IDX and node.inputs[G_IDX] is not None:
+    if optional(node, G_IDX) is not None:
         return "its weights have a group index (g_idx, act-order), which a fold cannot keep"
     for index, what in ((B, "weights"), (SCALES, "scales"), (ZERO_POINTS, "zero points")):
-        if index < len(node.inputs) and node.inputs[index] is not None and _constant(node.inputs[index]) is None:
+        if optional(node, index) is not None and array(node, index) is None:
             return f"its {what} are not a constant"
-    zp = _constant(node.inputs[ZERO_POINTS]) if len(node.inputs) > ZERO_POINTS and node.inputs[ZERO_POINTS] is not None else None
+    zp = array(node, ZERO_POINTS)
     if zp is not None and zp.dtype != np.uint8:
         return "its zero points are floats, not packed integers"
     return None
@@ -147,10 +153,9 @@ def read(node: ir.Node) -> Quantized:
         raise SurgeryError(f"MatMulNBits {node.name!r}: {why}")
     attrs = {k: a.value for k, a in node.attributes.items()}
     k, n, bits, block_size = attrs["K"], attrs["N"], attrs.get("bits", 4), attrs["block_size"]
-    packed = _constant(node.inputs[B])
+    packed, stored, zp = array(node, B), array(node, SCALES), array(node, ZERO_POINTS)
     blocks = -(-k // block_size)
     codes = unpack(packed.reshape(n, -1), bits, blocks * block_size)
-    scales = _constant(node.inputs[SCALES]).astype(np.float64).reshape(n, blocks)
-    zp = _constant(node.inputs[ZERO_POINTS]) if len(node.inputs) > ZERO_POINTS and node.inputs[ZERO_POINTS] is not None else None
+    scales = stored.astype(np.float64).reshape(n, blocks)
     zeros = np.full((n, blocks), float(1 << (bits - 1))) if zp is None else unpack(zp.reshape(n, -1), bits, blocks)
-    return Quantized(k, n, bits, block_size, codes, scales, zeros, tuple(packed.shape), _constant(node.inputs[SCALES]).dtype)
+    return Quantized(k, n, bits, block_size, codes, scales, zeros, tuple(packed.shape), stored.dtype)

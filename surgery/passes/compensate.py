@@ -55,8 +55,7 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
             changes.append(Change(block.layer, f"already compensated ({block.fix})", applied=False))
             continue
         fix, layer = fixes[block.layer], block.layer
-        attn = projection.producing(values[block.attn_out], layer, "attn_out", why="compensate")
-        mlp = projection.producing(values[block.mlp_out], layer, "mlp_out", why="compensate")
+        attn, mlp = projection.outputs(values, block, NAME)
         (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
         projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o, fix.packed[0]), node_name(NAME, layer, "o_proj"))
         out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down, fix.packed[1]), node_name(NAME, layer, "down_proj"))
@@ -103,8 +102,7 @@ def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
         board.choose(block, "mlp", on, built, fixed, f"{prefix}/chosen", lazy=False)
         return
     values, e = board.values, board.emitter(prefix)
-    attn = projection.producing(values[block.attn_out], block.layer, "attn_out", why=NAME)
-    mlp = projection.producing(values[block.mlp_out], block.layer, "mlp_out", why=NAME)
+    attn, mlp = projection.outputs(values, block, NAME)
     for p, (w, b), packed, what in zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")):
         w, b = projection.rounded(p, w, b, packed)
         stored = board.weight(f"{prefix}/{what}/weight", w.T if p.transposed else w)

@@ -83,8 +83,7 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
         else:
             for ln in (ln1, ln2):
                 projection.reading(values[ln.output], block.layer)
-            projection.producing(values[block.attn_out], block.layer, "attn_out")
-            projection.producing(values[block.mlp_out], block.layer, "mlp_out")
+            projection.outputs(values, block)
     except SurgeryError as e:
         return str(e)
     if ln1.kind != ln2.kind:
@@ -149,8 +148,7 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
             if user.op_type == "Shape":  # shape arithmetic: the ln output has resid_pre's shape
                 user.replace_input_with(index, x)
         inputs += [(p, ln) for p in projection.reading(out, layer)]
-    attn_out = projection.producing(values[block.attn_out], layer, "attn_out")
-    mlp_out = projection.producing(values[block.mlp_out], layer, "mlp_out")
+    attn_out, mlp_out = projection.outputs(values, block)
 
     def fold(p: projection.Projection, ln) -> tuple[np.ndarray, np.ndarray]:
         scale = values[ln.scale].const_value.numpy().astype(np.float64)
@@ -209,8 +207,7 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
     g, layer = model.graph, block.layer
     ln1, ln2 = block_norms(model, block, values)
     x = values[block.resid_pre]
-    attn_out = projection.producing(values[block.attn_out], layer, "attn_out")
-    mlp_out = projection.producing(values[block.mlp_out], layer, "mlp_out")
+    attn_out, mlp_out = projection.outputs(values, block)
     built: list[ir.Node] = []
     e = Emitter(node_name(NAME, layer, "").rstrip("/"), nodes=built)
     op = e.op
@@ -245,9 +242,9 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
     inputs: list[ir.Value | None] = [
         op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1),
         const("w_out", np.concatenate([codes_o, codes_down], axis=1)),
-        const("w_out_scales", scales.reshape(-1) if _array(attn_out.node, nbits.SCALES).ndim == 1 else scales),
+        const("w_out_scales", nbits.stored_scales(attn_out.node, scales)),
     ]
-    if any(len(p.node.inputs) > nbits.ZERO_POINTS and p.node.inputs[nbits.ZERO_POINTS] is not None for p in (attn_out, mlp_out)):
+    if any(nbits.optional(p.node, nbits.ZERO_POINTS) is not None for p in (attn_out, mlp_out)):
         zeros = np.concatenate([qo.zeros, qd.zeros], axis=1)
         inputs.append(const("w_out_zero_points", nbits.pack(zeros, qo.bits).reshape(-1)))
     one = nodes.copy(attn_out.node, inputs, e.name("out_proj"))
@@ -266,27 +263,21 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
     values[block.resid_post].replace_all_uses_with(post, replace_graph_outputs=True)
 
 
-def _array(node: ir.Node, index: int) -> np.ndarray:
-    """The constant input `index` of a node."""
-    return node.inputs[index].const_value.numpy()
-
-
 def _concatenated(g: ir.Graph, readers: list[ir.Node], source: ir.Value, name: str) -> ir.Node:
     """One MatMulNBits reading `source` whose N is the readers' Ns in order: codes, scales, zero points (unpacked,
     concatenated, packed again per row) and biases concatenated along N."""
     quants = [nbits.read(u) for u in readers]
     first = quants[0]
-    inputs: list[ir.Value | None] = [source, nodes.initializer(g, f"{name}/weight", np.concatenate([_array(u, nbits.B) for u in readers], axis=0))]
+    inputs: list[ir.Value | None] = [source, nodes.initializer(g, f"{name}/weight", np.concatenate([nbits.array(u, nbits.B) for u in readers], axis=0))]
     scales = np.concatenate([q.scales for q in quants], axis=0).astype(first.dtype)
-    inputs.append(nodes.initializer(g, f"{name}/scales", scales.reshape(-1) if _array(readers[0], nbits.SCALES).ndim == 1 else scales))
-    has = lambda u, i: len(u.inputs) > i and u.inputs[i] is not None  # noqa: E731
-    zero_points = any(has(u, nbits.ZERO_POINTS) for u in readers)
-    biases = any(has(u, nbits.BIAS) for u in readers)
+    inputs.append(nodes.initializer(g, f"{name}/scales", nbits.stored_scales(readers[0], scales)))
+    zero_points = any(nbits.optional(u, nbits.ZERO_POINTS) is not None for u in readers)
+    biases = [nbits.array(u, nbits.BIAS) for u in readers]
     inputs.append(nodes.initializer(g, f"{name}/zero_points", nbits.pack(np.concatenate([q.zeros for q in quants], axis=0), first.bits).reshape(-1))
                   if zero_points else None)
-    if biases:
+    if any(b is not None for b in biases):
         inputs += [None, nodes.initializer(g, f"{name}/bias", np.concatenate(
-            [_array(u, nbits.BIAS) if has(u, nbits.BIAS) else np.zeros(q.n, first.dtype) for u, q in zip(readers, quants)]).astype(first.dtype))]
+            [np.zeros(q.n, first.dtype) if b is None else b for b, q in zip(biases, quants)]).astype(first.dtype))]
     while inputs[-1] is None:
         inputs.pop()
     one = nodes.copy(readers[0], inputs, name)

@@ -121,7 +121,7 @@ def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projec
     if node is not None and node.op_type == nbits.OP:
         if (reason := nbits.refusal(node)) is not None:
             raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is MatMulNBits, and {reason}")
-        if bias is None and len(node.inputs) > nbits.BIAS and node.inputs[nbits.BIAS] is not None:
+        if bias is None and nbits.optional(node, nbits.BIAS) is not None:
             bias, site = constant(node.inputs[nbits.BIAS]), (node, nbits.BIAS)
         q = nbits.read(node)
         return Projection(node.inputs[0], out, q.dequantize(), bias, node, bias_site=site, quant=q)
@@ -133,6 +133,12 @@ def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projec
             if p is not None:
                 return dataclasses.replace(p, input=first.inputs[0], output=out)
     raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is not a MatMul, Gemm or MatMulNBits with constant weights")
+
+
+def outputs(values: dict[str, ir.Value], block: BlockMap, why: str = "fuse") -> tuple[Projection, Projection]:
+    """The block's two output projections, W_o (producing attn_out) and W_down (producing mlp_out)."""
+    return (producing(values[block.attn_out], block.layer, "attn_out", why),
+            producing(values[block.mlp_out], block.layer, "mlp_out", why))
 
 
 def quantized_node(out: ir.Value) -> ir.Node | None:
