@@ -3,7 +3,7 @@
     python benchmarks/final_fix.py out/smollm2-parallel      # the default main job's output folder
 
 The rewritten model's normalized final hidden state n' (lm_head's input) is fitted to the original model's n by
-ridge least squares, n ~ [n', 1] B (float64 normal equations, ridge chosen on one fold of windows by the error in
+ridge least squares, n ~ [n', 1] B (float64 normal equations solved as the compensation fit solves them, ridge chosen on one fold of windows by the error in
 logits space, then refitted on both); logits = [n', 1] B W_lm would fold B into lm_head at no extra cost per token
 (one [d_model + 1, d_model] product into a [d_model, vocab] weight). Fitted on the main job's 64 fit windows, scored
 (mean token KL(original || model) and top-1 agreement over targets 1.., in NumPy from raw ONNX Runtime logits) on
@@ -18,7 +18,7 @@ import time
 import numpy as np
 from common import smollm2
 
-from surgery import data, graph, runtime
+from surgery import compensation, data, graph, runtime
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-2, 1.0)
 
@@ -57,12 +57,6 @@ def with_one(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x, np.ones((len(x), 1), x.dtype)], 1).astype(np.float64)
 
 
-def ridge_solve(zz: np.ndarray, zt: np.ndarray, ridge: float) -> np.ndarray:
-    penalty = ridge * np.diag(np.diag(zz))
-    penalty[-1, -1] = 0  # the bias is not shrunk
-    return np.linalg.solve(zz + penalty, zt)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rewritten", help="the main job's output folder")
@@ -83,11 +77,11 @@ def main() -> None:
     gram = original.weight.astype(np.float64) @ original.weight.T.astype(np.float64)
 
     def held_out_error(ridge: float) -> float:  # E|(z B - n) W_lm|^2 on fold 1, up to a constant
-        b = ridge_solve(zz[0], zt[0], ridge)
+        b = compensation._ridge_solve(zz[0], zt[0], ridge)
         return float(np.trace(b.T @ zz[1] @ b @ gram) - 2 * np.trace(b.T @ zt[1] @ gram))
 
     ridge = min(RIDGES, key=held_out_error)
-    b = ridge_solve(zz.sum(0), zt.sum(0), ridge).astype(np.float32)
+    b = compensation._ridge_solve(zz.sum(0), zt.sum(0), ridge).astype(np.float32)
     head = (b[:-1] @ rewritten.weight, b[-1] @ rewritten.weight)  # the folded lm_head: weight and bias
     print(f"fitted on {len(fit)} windows in {time.perf_counter() - clock:.0f} s, ridge {ridge:g}")
 
