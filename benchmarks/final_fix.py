@@ -3,11 +3,12 @@
     python benchmarks/final_fix.py out/smollm2-parallel      # the default main job's output folder
 
 The rewritten model's normalized final hidden state n' (lm_head's input) is fitted to the original model's n by
-ridge least squares, n ~ [n', 1] B (float64 normal equations solved as the compensation fit solves them, ridge
-chosen on one fold of windows by the error in logits space, then refitted on both); logits = [n', 1] B W_lm would fold B into lm_head at no extra
-cost per token (one [d_model + 1, d_model] product into a [d_model, vocab] weight). Fitted on the main job's 64 fit windows, scored
-(mean token KL(original || model) and top-1 agreement over targets 1.., in NumPy from raw ONNX Runtime logits) on
-its 16 selection windows and its 8 held-out evaluation windows, before and after the correction.
+ridge least squares, n ~ [n', 1] B: float64 normal equations solved as the compensation fit solves them, the ridge
+chosen on one fold of windows by the error in logits space, then refitted on both folds. logits = [n', 1] B W_lm
+would fold B into lm_head at no extra cost per token (one [d_model + 1, d_model] product into a [d_model, vocab]
+weight). Fitted on the main job's 64 fit windows, scored (mean token KL(original || model) and top-1 agreement over
+targets 1.., in NumPy from raw ONNX Runtime logits) on its 16 selection windows and its 8 held-out evaluation
+windows, before and after the correction.
 """
 
 from __future__ import annotations
