@@ -3,6 +3,12 @@ moved, memory and seconds, from a few rates measured on this machine.
 
     python benchmarks/cost.py                                   # measure the rates, project 135M, 1.1B, 8B, 70B
     python benchmarks/cost.py --validate SHAPE:LAYERS:RUN ...   # predicted vs measured, one row per part of each run
+    python benchmarks/cost.py --run KIND:SHAPE:LAYERS:MODEL ... --runs out/cost-runs   # the same, interleaved
+
+--run makes each run itself (KIND parallelize or diagnose, with each command's defaults and --no-latency) under
+`/usr/bin/time -v`, and measures the shape's rates right before and right after it: each run is predicted from the
+mean of its two measurements, and the table says how far they moved. This host's speed drifts by more than the
+30 % the check allows between one quarter of an hour and the next, so only interleaved rates mean anything.
 
 RUN is the output folder of `surgery parallelize` (its selection.json) or of `surgery diagnose` (report.json),
 with the `/usr/bin/time -v` log of the command beside it as RUN.time (wall time and peak RSS); SHAPE is a name
@@ -17,19 +23,22 @@ The model counts what the code does (surgery/compensation.py, select.py, diagnos
 - selection: the switchboard scored on the selection windows once per trial and once for the baseline: every
   block, the head and the log-softmax; each compensated block's switch copies W_o and W_down (Where).
 - evaluation: the original and the rewritten model on the evaluation windows; write: the weights once.
-- diagnose: the probe (per calibration window: every block as the one-block decoder's probe measured, and the head), the loss runs (per evaluation window: the baseline, then 7 switch kinds at each block alone,
-  each run resuming at its block, and 10 all-layer runs), prefix sensitivity (a run per distance per window) and
-  the critical points (per block 200 fixed-point steps, each streaming the mlp's weights once for 4 seeds, and
-  per zero found a forward-difference Jacobian of d mlp evaluations).
+- diagnose: the probe (per calibration window: every block as the one-block decoder's probe measured, and the
+  head), the loss runs (per evaluation window: the baseline, then 7 switch kinds at each block alone, each run
+  resuming at its block, and 10 all-layer runs), prefix sensitivity (per window one batch: the window and a
+  perturbed copy per distance) and the critical points (per block 200 fixed-point steps, each streaming the mlp's
+  weights once for 4 seeds, and per zero found a forward-difference Jacobian of d mlp evaluations).
 
 Seconds come from rates measured here on one block of each shape (Rates.measure): ONNX Runtime's forward of a
-one-block decoder of the shape on 256 tokens, diagnose's probe of it, and a selection trial's run of it (its switchboard
-with a fix, scored as select scores trials: select.BATCH windows a run, against a reference); the scored head (MatMul,
-LogSoftmax, KL against a reference) on a slice of the vocabulary; one window's accumulation of one layer's sums in the
-fit's own Accumulator on the one-block decoder (at d_model up to 4096, scaled by k^2 above); one layer's
-solve (at d_model up to 1024, scaled by k^3); a session's setup per weight byte; the memory bandwidth. Memory adds
-what each stage holds: the weight copies of the loaded model and of each session (measured in a fresh process on
-one- and two-block models, with the weights on external data and inside the .onnx file), the fit pass's sums, the
+one-block decoder of the shape on 256 tokens; the code's own runs of that decoder: a selection trial (its
+switchboard with a fix, scored as select scores trials: select.BATCH windows a run, against a reference),
+diagnose's probe, loss runs and prefix sensitivity; the scored head (the MatMul, then evaluate.scoring_model's
+LogSoftmax, NLL, argmax and KL against a reference) on a slice of the vocabulary; the marginal cost of one
+window's accumulation of one layer's sums in the fit's own Accumulator (at d_model up to 4096, scaled by k^2
+above); one layer's solve (at d_model up to 1024, scaled by k^3); a session's setup per weight byte; the memory
+bandwidth. Memory adds what each stage holds: the weight copies of the loaded model and of each session after one
+run on 256 tokens (measured in a fresh process on one- and two-block models, with the weights on external data and
+inside the .onnx file: the difference is per block, the rest the session's fixed bytes), the fit pass's sums, the
 fixes, the switchboard's folded weights and the reference log-probs. Nothing is fitted to the runs it is checked
 against. The GPU projection assumes an H200-class device (GPU below): the forward passes run there, and the fit's
 sums and solves stay on the host CPU, as the code runs them today.
@@ -127,20 +136,18 @@ class Rates:
     bandwidth: float  # bytes/s of a float64 add (read two, write one)
     write: float  # bytes/s written to disk
     setup: float  # seconds per weight byte to make a session (graph, weights, ORT's optimizations)
-    arena: float  # bytes ORT holds beside the weights to run one block on 256 tokens
     external: tuple[float, float, float]  # weights on external data: resident copies after graph.load, after a session of it; the session's fixed bytes
     inline: tuple[float, float, float] | None  # the same for weights inside the .onnx file (None: the shape's block is over 512 MiB)
     probe: float  # diagnose's probe of one 256-token window through one block: twin mlp, in-graph statistics, ranks
     trial: float  # a selection trial's block per window: the one-block switchboard scored as select scores it (BATCH windows a run, compensated on)
+    loss: float  # a block of diagnose's loss runs, per window: its switchboard of every kind, scored against the unchanged run, resumed
+    prefix: float  # a block of diagnose's prefix sensitivity, per row of its batch (a window's batch: it and a copy per distance)
 
     def copies(self, inline: bool) -> tuple[float, float, float]:
         return self.inline if inline and self.inline is not None else self.external
 
     @classmethod
     def measure(cls, s: Shape, scratch: Path) -> Rates:
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
-
         from fixtures import big_decoder
         from surgery import graph, runtime
         from surgery.compensation import NormalEquations
@@ -150,17 +157,19 @@ class Rates:
         folder = scratch / f"block-{s.d}"
         shape = dict(d_model=s.d, n_heads=s.heads, n_kv_heads=s.kv, d_mlp=s.mlp, vocab=512, max_pos=t)
         big_decoder.write(folder, 1, shape=shape)  # one block, the fixtures tokenizer's 512-token vocabulary: the head is negligible
-        before = _rss()
         start = time.perf_counter()
         sess = runtime.session(graph.resolve(folder))
         setup = (time.perf_counter() - start) / (4 * s.block_params())
         feed = runtime.feeds(sess, rng.integers(0, 512, (1, t)))
         block = _seconds(lambda: sess.run(["logits"], feed), 5)
-        arena = max(0, _rss() - before - 4 * s.block_params())  # what ORT holds beside the weights to run one block
         from surgery.diagnostics.diagnose import _diagnose
 
-        report = _diagnose(folder, seq_len=t, windows=3, only=("deficit", "diversity", "defect", "gate"), options=runtime.analysis(runtime.Options()))
-        probe = (report["seconds"]["probe"] - report["seconds"]["probe_setup"]) / 3  # diagnose's probe of one window, one block
+        # diagnose's own probe, loss runs and prefix sensitivity on the one-block decoder (its head: 512 tokens, negligible)
+        n_cal, n_eval, only = 3, 2, ("deficit", "diversity", "defect", "gate", "ablation", "prefix")
+        report = _diagnose(folder, seq_len=t, windows=n_cal, eval_windows=n_eval, only=only, options=runtime.analysis(runtime.Options()))
+        probe = (report["seconds"]["probe"] - report["seconds"]["probe_setup"]) / n_cal  # diagnose's probe of one window, one block
+        loss = report["seconds"]["losses"] / (n_eval * _loss_blocks(1))
+        prefix = report["seconds"]["prefix"] / (n_cal * _prefix_runs(t))
         block_bytes = 4 * s.block_params()
         two = scratch / f"blocks-{s.d}"
         big_decoder.write(two, 2, shape=shape)
@@ -173,19 +182,7 @@ class Rates:
                 onnx.save(onnx.load(graph.resolve(f)), f / "inline.onnx")
             inline = _copies(folder / "inline.onnx", two / "inline.onnx", block_bytes)
         shutil.rmtree(two)
-        vocab = 8192  # the scored head measured on a slice of the vocabulary, scaled to the whole
-        w = numpy_helper.from_array(rng.standard_normal((s.d, vocab)).astype(np.float32) / s.d**0.5, "w")
-        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("LogSoftmax", ["y"], ["logp"], axis=-1),
-                 helper.make_node("Exp", ["ref"], ["p"]), helper.make_node("Sub", ["ref", "logp"], ["gap"]),
-                 helper.make_node("Mul", ["p", "gap"], ["terms"]), helper.make_node("ReduceSum", ["terms", "axes"], ["kl"], keepdims=0)]
-        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [t, s.d]),
-                                           helper.make_tensor_value_info("ref", TensorProto.FLOAT, [t, vocab])],
-                              [helper.make_tensor_value_info("kl", TensorProto.FLOAT, [t])], [w, numpy_helper.from_array(np.array([-1]), "axes")])
-        head_sess = ort.InferenceSession(helper.make_model(g, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(),
-                                         providers=["CPUExecutionProvider"])
-        x = rng.standard_normal((t, s.d)).astype(np.float32)
-        ref = np.log(np.full((t, vocab), 1.0 / vocab, np.float32))
-        head = _seconds(lambda: head_sess.run(None, {"x": x, "ref": ref}), 5) * s.vocab / vocab
+        head = _head(rng, s.d, t) * s.vocab / HEAD_SLICE
         trial = _trial(graph.load(folder), rng, t)
         if s.d <= 4096:
             update = _update(graph.load(folder), rng, t)
@@ -204,21 +201,60 @@ class Rates:
         big, other = np.zeros(1 << 24), np.ones(1 << 24)
         bandwidth = 3 * big.nbytes / _seconds(lambda: big.__iadd__(other), 10)
         shutil.rmtree(folder)
-        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, arena, external, inline, probe, trial)
+        return cls(block, head, update, solve, bandwidth, _write_rate(scratch), setup, external, inline, probe, trial, loss, prefix)
 
 
-def _update(model, rng, t: int, windows: int = 4) -> float:
+HEAD_SLICE = 8192  # the scored head is measured on a slice of the vocabulary, scaled to the whole
+
+
+def _head(rng, d: int, t: int) -> float:
+    """Seconds of the scored head on one window of t tokens and HEAD_SLICE of the vocabulary: the MatMul, then
+    what evaluate.scoring_model adds (LogSoftmax, the target's NLL, the argmax, the KL against a reference),
+    fetched as a Scorer fetches them."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    from surgery import evaluate, runtime
+
+    w = numpy_helper.from_array(rng.standard_normal((d, HEAD_SLICE)).astype(np.float32) / d**0.5, "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"])], "head",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch_size", "sequence_length", d])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", HEAD_SLICE])], [w])
+    model = ir.from_proto(helper.make_model(g, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]))
+    sess = runtime.session(evaluate.scoring_model(model, compare=True))
+    ref = np.log(np.full((1, t, HEAD_SLICE), 1.0 / HEAD_SLICE, np.float32))
+    feed = {"x": rng.standard_normal((1, t, d)).astype(np.float32), evaluate.TARGETS: np.zeros((1, t), np.int64), evaluate.REFERENCE: ref}
+    return _seconds(lambda: sess.run([evaluate.NLL, evaluate.TOP1, evaluate.KL], feed), 5)
+
+
+def _loss_blocks(layers: int) -> int:
+    """Blocks diagnose's loss runs compute per window: the unchanged run, 7 kinds at each block alone (each
+    resuming at its block) and 10 runs at every block."""
+    return layers + 7 * sum(layers - layer for layer in range(layers)) + 10 * layers
+
+
+def _prefix_runs(tokens: int) -> int:
+    """Rows of diagnose's prefix batch per window: the window and one copy per distance."""
+    from surgery.diagnostics import prefix
+
+    return 1 + len(prefix.distances(tokens))
+
+
+def _update(model, rng, t: int, windows: int = 8) -> float:
     """Seconds of one window's accumulation of one layer's sums, in the fit's own Accumulator (its session and
-    options: ORT's threads idle between runs), on a one-block model."""
+    options: ORT's threads idle between runs), on a one-block model: the marginal cost of a window, from a run
+    of one window and a run of 1 + `windows` (the first window of a run also allocates and first touches the
+    sums, which a fit over tens of windows pays once per layer)."""
     from surgery import runtime
     from surgery.analysis import switchboard as board_graph
     from surgery.compensation import KINDS, Accumulator, fit_graph
 
     accumulator = Accumulator(fit_graph(model), runtime.Options(spinning=False))
     switches = board_graph.switches(KINDS, 1)
-    ids = rng.integers(0, 512, (windows, t))
+    ids = rng.integers(0, 512, (1 + windows, t))
     accumulator.run([0], ids[:1], 0, switches)  # warm
-    return accumulator.run([0], ids, 0, switches)[3]["accumulate"] / windows
+    one = accumulator.run([0], ids[:1], 0, switches)[3]["accumulate"]
+    return (accumulator.run([0], ids, 0, switches)[3]["accumulate"] - one) / windows
 
 
 def _trial(model, rng, t: int) -> float:
@@ -271,14 +307,6 @@ def _copies(one: Path, two: Path, block_bytes: int) -> tuple[float, float, float
     (load1, sess1), (load2, sess2) = resident(one), resident(two)
     loaded, session = (load2 - load1) / block_bytes, (sess2 - sess1) / block_bytes
     return max(loaded, 0.0), session, max(sess1 - session * block_bytes, 0.0)
-
-
-def _rss() -> int:
-    """This process's resident memory now (Linux)."""
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _seconds(f, repeats: int) -> float:
@@ -347,12 +375,11 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
     weights, (loaded, session, fixed) = s.weight_bytes(), r.copies(inline)
     folded = compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the switchboard's folded W_o, W_down
     fixes = s.layers * 2 * s.d * s.d * 8  # float64 w_a, w_p kept for every block
-    arena = s.layers * r.arena * (job.tokens / 256)
     reference = job.selection_windows * job.tokens * s.vocab * 4  # the original's log-probs, kept for the KL
     stages = {
-        "fit": loaded * weights + session * weights + fixed + arena + min(s.layers, per_pass) * sums + fixes,
-        "selection": loaded * weights + folded + session * (weights + folded) + fixed + arena + fixes + reference,
-        "evaluation": loaded * weights + folded + 2 * (session * weights + fixed + arena) + job.tokens * s.vocab * 4,  # both models' sessions
+        "fit": loaded * weights + session * weights + fixed + min(s.layers, per_pass) * sums + fixes,
+        "selection": loaded * weights + folded + session * (weights + folded) + fixed + fixes + reference,
+        "evaluation": loaded * weights + folded + 2 * (session * weights + fixed) + job.tokens * s.vocab * 4,  # both models' sessions
     }
     memory = max(stages.values())
     return {"parts": parts, "memory": memory, "fit_passes": -(-s.layers // per_pass)}
@@ -361,12 +388,11 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
 def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
     block, head = _scaled(r, s, job, device)
     twin = s.block_flops(job.tokens, twin=True) / s.block_flops(job.tokens)
-    run = lambda blocks: blocks * block + head  # noqa: E731
     flops = lambda blocks: blocks * s.block_flops(job.tokens) + s.head_flops(job.tokens)  # noqa: E731
     bandwidth = device["bandwidth"] if device else r.bandwidth
-    losses_blocks = s.layers + 7 * sum(s.layers - layer for layer in range(s.layers)) + 10 * s.layers  # base, resumed single-layer runs, all-layer runs
-    losses_runs = 1 + 7 * s.layers + 10  # each with the scored head
-    distances = int(np.log2(job.tokens - 2)) + 1
+    losses_blocks, losses_runs = _loss_blocks(s.layers), 1 + 7 * s.layers + 10  # each run with the scored head
+    rows = _prefix_runs(job.tokens)
+    loss, prefix = (block, block) if device else (r.loss * job.tokens / 256, r.prefix * job.tokens / 256)
     zeros = 4 if job.zeros is None else job.zeros
     mlp_bytes = 3 * s.d * s.mlp * 4
     # the fixed-point steps stream the mlp's weights once per call (4 seeds: memory-bound); a zero's Jacobian: d mlp evaluations
@@ -377,18 +403,18 @@ def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
                       # measured on the one-block decoder (its twin mlp, in-graph statistics and effective ranks), plus the head
                       seconds=job.diag_windows * (s.layers * (r.probe if not device else block * twin) + head) + s.weight_bytes() * r.setup),
         "critical": dict(flops=s.layers * zeros * s.d * 6 * s.d * s.mlp, bytes=s.layers * 200 * mlp_bytes, seconds=critical),
-        "prefix": dict(flops=job.diag_windows * (1 + distances) * flops(s.layers), bytes=job.diag_windows * (1 + distances) * s.weight_bytes(),
-                       seconds=job.diag_windows * (1 + distances) * run(s.layers) + s.weight_bytes() * r.setup),
+        "prefix": dict(flops=job.diag_windows * rows * flops(s.layers), bytes=job.diag_windows * s.weight_bytes(),  # one batch a window
+                       seconds=job.diag_windows * rows * (s.layers * prefix + head) + s.weight_bytes() * r.setup),
         "losses": dict(flops=job.diag_eval_windows * (losses_blocks * s.block_flops(job.tokens) + losses_runs * s.head_flops(job.tokens)),
                        bytes=job.diag_eval_windows * losses_blocks / s.layers * s.weight_bytes(),
-                       seconds=job.diag_eval_windows * (losses_blocks * block + losses_runs * head) + s.weight_bytes() * r.setup),
+                       seconds=job.diag_eval_windows * (losses_blocks * loss + losses_runs * head) + s.weight_bytes() * r.setup),
     }
     kept = s.layers * job.tokens * s.d * 4  # the unchanged run's resid_post per block, for the resumed runs
     loaded, session, fixed = r.copies(s.weight_bytes() < 2e9 if job.inline is None else job.inline)
     # the largest stage holds about two copies of the weights: on the 4-block model (1.23 GB) the probe peaked at 1.68 GB,
     # the prefix stage at 2.53 GB (its session beside the pages of the loaded model's external data the probe and
     # the critical points read: 0.88 GB before it), the loss runs at 2.16 GB
-    return {"parts": parts, "memory": loaded * s.weight_bytes() + 2 * (session * s.weight_bytes() + fixed + s.layers * r.arena) + kept}
+    return {"parts": parts, "memory": loaded * s.weight_bytes() + 2 * (session * s.weight_bytes() + fixed) + kept}
 
 
 def _fit_memory() -> int:
@@ -432,10 +458,11 @@ def _measured(run: Path) -> dict:
 
 
 def validate(specs: list[str], rates: dict[str, Rates]) -> str:
+    """Predicted against measured for each SHAPE:LAYERS:RUN; `rates` by shape name, or by spec (interleaved runs)."""
     rows = []
     for spec in specs:
         name, layers, run = spec.split(":", 2)
-        shape, r = Shape(**SHAPES[name], layers=int(layers)), rates[name]
+        shape, r = Shape(**SHAPES[name], layers=int(layers)), rates.get(spec) or rates[name]
         got = _measured(Path(run))
         w, inline = got["windows"], got["onnx_bytes"] > shape.weight_bytes() / 2  # the weights are in the .onnx file
         if got["kind"] == "parallelize":
@@ -458,6 +485,37 @@ def validate(specs: list[str], rates: dict[str, Rates]) -> str:
             rows.append({"run": label, "part": "peak memory", "predicted": f"{cost['memory'] / 1e9:.2f} GB",
                          "measured": f"{got['rss'] / 1e9:.2f} GB", "ratio": f"{cost['memory'] / got['rss']:.2f}"})
     return table(rows, ["run", "part", "predicted", "measured", "ratio"])
+
+
+COMMANDS = {"parallelize": ["parallelize", "{model}", "-o", "{out}", "--no-latency"], "diagnose": ["diagnose", "{model}", "-o", "{out}"]}
+PER_BLOCK = ("trial", "probe", "loss", "prefix")  # the rates measured through the code's own runs of the one-block decoder
+TIMED = ("block", "head", "update", "solve", "setup", *PER_BLOCK)  # the rates that are seconds (drift: after / before)
+
+
+def interleaved(specs: list[str], runs: Path, scratch: Path) -> tuple[list[str], dict[str, Rates], list[dict]]:
+    """Each KIND:SHAPE:LAYERS:MODEL run made under /usr/bin/time -v into `runs`, between two measurements of its
+    shape's rates; returns the validate specs, the mean rates of each and the drift rows."""
+    import subprocess
+
+    runs.mkdir(parents=True, exist_ok=True)
+    surgery = Path(sys.executable).with_name("surgery")
+    out, rates, drift = [], {}, []
+    for spec in specs:
+        kind, name, layers, model = spec.split(":", 3)
+        target = runs / f"{kind}-{name}-{layers}"
+        shutil.rmtree(target, ignore_errors=True)
+        shape = Shape(**SHAPES[name], layers=1)
+        before = Rates.measure(shape, scratch)
+        argv = [str(surgery)] + [a.format(model=model, out=target) for a in COMMANDS[kind]]
+        with open(f"{target}.log", "w") as log:
+            subprocess.run(["/usr/bin/time", "-v", "-o", f"{target}.time", *argv], check=True, stdout=log, stderr=subprocess.STDOUT)
+        after = Rates.measure(shape, scratch)
+        key = f"{name}:{layers}:{target}"
+        rates[key] = dataclasses.replace(before, **{f: (getattr(before, f) + getattr(after, f)) / 2 for f in (*TIMED, "bandwidth", "write")})
+        Path(f"{target}.rates.json").write_text(json.dumps({"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)}))
+        out.append(key)
+        drift.append({"run": f"{name} x{layers} {kind}", **{f: f"{getattr(after, f) / getattr(before, f):.2f}" for f in TIMED}})
+    return out, rates, drift
 
 
 def project(rates: dict[str, Rates]) -> str:
@@ -483,24 +541,31 @@ def project(rates: dict[str, Rates]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validate", nargs="*", default=None, metavar="SHAPE:LAYERS:RUN")
+    parser.add_argument("--run", nargs="*", default=None, metavar="KIND:SHAPE:LAYERS:MODEL", help="make these runs, interleaved with rates")
+    parser.add_argument("--runs", type=Path, default=ROOT / "out" / "cost-runs", help="where --run writes its runs")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="the shapes to measure and project (comma-separated)")
     args = parser.parse_args()
     names = args.shapes.split(",")
     (ROOT / "out").mkdir(exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=ROOT / "out", prefix="cost-"))
     try:
+        if args.run:
+            specs, per_run, drift = interleaved(args.run, args.runs, scratch)
+            print("rates after each run / before it:\n\n" + table(drift, ["run", *TIMED]) + "\n")
+            print(validate(specs, per_run) + "\n")
         rates = {name: Rates.measure(Shape(**SHAPES[name], layers=1), scratch) for name in names}
     finally:
         shutil.rmtree(scratch)
     rows = [{"shape": name, "block (256 tokens)": f"{r.block * 1e3:.0f} ms", "head": f"{r.head * 1e3:.0f} ms",
-             "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "probe (a block, a window)": f"{r.probe * 1e3:.0f} ms", "trial (a block, a window)": f"{r.trial * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
-             "ORT beside a block's weights": f"{r.arena / 1e6:.0f} MB",
+             "update (255 tokens)": f"{r.update * 1e3:.0f} ms", "solve": f"{r.solve:.1f} s", "session": f"{r.setup * 1e9:.2f} s/GB",
+             **{f"{part} (a block, a window)": f"{getattr(r, part) * 1e3:.0f} ms" for part in PER_BLOCK},
              "weight copies: loaded / session (+ fixed)": "; ".join(f"{kind} {a:.2f} / {b:.2f} (+{f / 1e6:.0f} MB)"
                                                                 for kind, c in (("external", r.external), ("inline", r.inline)) if c for a, b, f in [c])}
             for name, r in rates.items()]
     first = next(iter(rates.values()))
     print(f"measured here (memory {first.bandwidth / 1e9:.1f} GB/s, disk {first.write / 1e9:.2f} GB/s):\n")
-    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "probe (a block, a window)", "trial (a block, a window)", "solve", "session", "ORT beside a block's weights", "weight copies: loaded / session (+ fixed)"]) + "\n")
+    print(table(rows, ["shape", "block (256 tokens)", "head", "update (255 tokens)", "solve", "session", *(f"{p} (a block, a window)" for p in PER_BLOCK),
+                       "weight copies: loaded / session (+ fixed)"]) + "\n")
     if args.validate:
         print(validate(args.validate, rates) + "\n")
     print(project({name: rates[name] for name in names if name in LAYERS}))
