@@ -119,19 +119,27 @@ class NormalEquations:
             else:
                 self.grams[name] = gram.astype(np.float64)
 
-    def update(self, fold: int, attn_out: np.ndarray, mlp_x: np.ndarray, delta: np.ndarray, resid_post: np.ndarray) -> None:
+    def update(
+        self, fold: int, attn_out: np.ndarray, mlp_x: np.ndarray, delta: np.ndarray, resid_post: np.ndarray, weight: np.ndarray | None = None
+    ) -> None:
         """Add tokens: each argument [tokens, d_model]; delta is the fit's target (the defect, or what the
         drift-correcting fit aims at). One window's products are formed in the activations' own precision
         (at least float32, what ORT computed them in) and added to the float64 sums, so the sums carry no
-        error the activations do not already have."""
+        error the activations do not already have. weight: [tokens], a weighted least squares (every sum,
+        |delta|^2 and |resid_post|^2 too, weighs each token's terms by it); None: 1."""
         n = len(delta)
         dtype = np.result_type(attn_out, mlp_x, delta, np.float32)
         z = np.concatenate([attn_out, mlp_x, np.ones((n, 1))], axis=1, dtype=dtype)
+        root = None if weight is None else np.sqrt(weight.astype(np.float64)).astype(dtype)[:, None]
+        target = delta.astype(dtype) if root is None else delta.astype(dtype) * root
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
+            if root is not None:
+                z *= root
             self.zz[fold] += z.T @ z
-            self.zd[fold] += z.T @ delta.astype(dtype)
-        self.dd[fold] += float(np.sum(delta.astype(np.float64) ** 2))
-        self.yy[fold] += float(np.sum(resid_post.astype(np.float64) ** 2))
+            self.zd[fold] += z.T @ target
+        w = 1.0 if weight is None else weight.astype(np.float64)[:, None]
+        self.dd[fold] += float(np.sum(w * delta.astype(np.float64) ** 2))
+        self.yy[fold] += float(np.sum(w * resid_post.astype(np.float64) ** 2))
         self.tokens[fold] += n
 
     def add(self, other: "NormalEquations") -> None:
@@ -314,12 +322,13 @@ class Accumulator:
         drift: dict[int, list[np.ndarray]] | None = None,
         keep: bool = False,
         progress: Callable[[], None] | None = None,
+        weights: list[np.ndarray] | None = None,
     ) -> tuple[dict[int, NormalEquations], list[np.ndarray], dict[int, list[np.ndarray]], dict[str, float]]:
         """The sums of `chunk`'s layers over the windows `ids` (row j is window first + j: fold (first + j) % 2); the
         stream the graph hands on, per window; each layer's resid_post when `keep`; the seconds of forward and
         accumulate. state: the fixes in the graph and the layers switched to parallel and to compensated.
         streams: per window, the stream into the pass's first block (when the graph resumes); drift: this run's
-        rows of the drift targets."""
+        rows of the drift targets; weights: per window, the tokens' weights (NormalEquations.update)."""
         fixes, parallel_on, fixed_on = state
         sums: dict[int, NormalEquations] = {}
         handed: list[np.ndarray] = []
@@ -347,7 +356,7 @@ class Accumulator:
                     resid_post = drift[layer][j]
                 if layer not in sums:  # not setdefault: that would allocate a layer's sums on every window
                     sums[layer] = NormalEquations(attn_out.shape[-1])
-                sums[layer].update((first + j) % 2, attn_out, mlp_x, delta, resid_post)
+                sums[layer].update((first + j) % 2, attn_out, mlp_x, delta, resid_post, None if weights is None else weights[j])
                 sums[layer].update_inputs({w: out[fit_tap(layer, w)][0, 1:] for w in inputs[layer]})
             clock["accumulate"] += time.perf_counter() - start
             if progress:
@@ -372,6 +381,7 @@ def fit(
     drift: dict[int, list[np.ndarray]] | None = None,
     seconds: dict[str, float] | None = None,
     requantize: str = "gptq",
+    token_weights: list[np.ndarray] | None = None,
 ) -> dict[int, FitResult]:
     """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
@@ -392,6 +402,7 @@ def fit(
     float64 sums; on Ray, both summed over the actors) and solve (the ridge choice, the solve and any requantization).
     requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE): `gptq`, error-aware
     on the second moments of their inputs gathered in the same pass, or `nearest`.
+    token_weights: per window, a weight for each of its tokens 1.. (token 0 is left out): a weighted least squares.
     """
     if requantize not in REQUANTIZE:
         raise SurgeryError(f"unknown requantization {requantize!r}; choose one of {', '.join(REQUANTIZE)}")
@@ -399,6 +410,8 @@ def fit(
     clock = {"forward": 0.0, "accumulate": 0.0, "solve": 0.0} if seconds is None else seconds
     for key in ("forward", "accumulate", "solve"):
         clock.setdefault(key, 0.0)
+    if token_weights is not None and [len(w) for w in token_weights] != [windows.seq_len - 1] * len(windows):
+        raise SurgeryError(f"token_weights needs one weight per token 1.. of each window: {len(windows)} x {windows.seq_len - 1}")
     if drift is not None and kind != "full":
         raise SurgeryError("the drift-correcting fit needs the full least-squares fix, not the scalar gate")
     blocks = find_blocks(model)
@@ -439,10 +452,11 @@ def fit(
         if pool.distributed:  # one contiguous run of windows per actor
             actors = pool.actors(graph, functools.partial(Accumulator, options=pool.options(options)))
             jobs = [(chunk, windows.ids[a:b], a, switches, state, None if streams is None else streams[a:b],
-                     None if drift is None else {l: drift[l][a:b] for l in chunk}, keep) for a, b in runs]
+                     None if drift is None else {l: drift[l][a:b] for l in chunk}, keep, None,
+                     None if token_weights is None else token_weights[a:b]) for a, b in runs]
             parts = actors.map("run", jobs)
         else:
-            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift, keep, progress=tick)]
+            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift, keep, tick, token_weights)]
         del graph
         sums: dict[int, NormalEquations] = {}
         streams = []

@@ -56,6 +56,49 @@ def test_held_out_residual_and_scores_equal_direct_numpy():
     assert gate.fix.w_p == pytest.approx(fit.scores["alpha"] - 1) and gate.fix.w_a is None
 
 
+def test_token_weights_give_the_numpy_weighted_least_squares():
+    """Each token's terms weighed by w_t: the ridge choice, held-out residual and fix of a weighted least squares."""
+    a, p, delta, y, _ = planted(noise=2.0, n=300)
+    w = np.random.default_rng(1).uniform(0.1, 3.0, len(a))
+    eq = NormalEquations(a.shape[1])
+    for i, lo in enumerate(range(0, len(a), 50)):
+        s = slice(lo, lo + 50)
+        eq.update(i % 2, a[s], p[s], delta[s], y[s], weight=w[s])
+    fit = eq.solve(0)
+    folds = (np.arange(len(a)) // 50) % 2
+    z = np.concatenate([a, p, np.ones((len(a), 1))], axis=1)
+    root = np.sqrt(w)[:, None]
+    zw, dw = z * root, delta * root
+    z0, d0, z1, d1 = zw[folds == 0], dw[folds == 0], zw[folds == 1], dw[folds == 1]
+    g = z0.T @ z0
+    lefts = {r: np.sum((d1 - z1 @ np.linalg.solve(g + r * np.diag(np.diag(g)), z0.T @ d0)) ** 2) for r in compensation.RIDGES}
+    assert fit.ridge == min(lefts, key=lefts.get)
+    assert fit.residual == pytest.approx(lefts[fit.ridge] / np.sum(d1**2), rel=1e-8)
+    assert fit.c_comp == pytest.approx(lefts[fit.ridge] / np.sum(w[folds == 1, None] * y[folds == 1] ** 2), rel=1e-8)
+    full = zw.T @ zw
+    want = np.linalg.solve(full + fit.ridge * np.diag(np.diag(full)), zw.T @ dw)
+    got = np.concatenate([fit.fix.w_a, fit.fix.w_p, fit.fix.b[None]])
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9 * np.abs(want).max())
+    unweighted = accumulate(a, p, delta, y).solve(0)
+    assert not np.allclose(unweighted.fix.w_p, fit.fix.w_p, atol=1e-6)
+
+
+def test_a_window_of_zero_weights_is_a_window_left_out(fixture_path):
+    """fit(token_weights) on a graph: windows 2 and 3 weighted 0 give the fixes of windows 0 and 1 alone."""
+    path = fixture_path("llama")
+    model = graph.load(path)
+    windows = data.windows(path, seq_len=32, max_windows=4, part="calibration")
+    ones, zeros = np.ones(windows.seq_len - 1), np.zeros(windows.seq_len - 1)
+    weighted = compensation.fit(model, windows, token_weights=[ones, 2 * ones, zeros, zeros])
+    alone = compensation.fit(model, windows.take([0, 1]), token_weights=[ones, 2 * ones])
+    plain = compensation.fit(model, windows.take([0, 1]))
+    for layer in alone:
+        for part in ("w_a", "w_p", "b"):
+            np.testing.assert_allclose(getattr(weighted[layer].fix, part), getattr(alone[layer].fix, part), rtol=1e-9, atol=1e-12)
+        assert weighted[layer].ridge == alone[layer].ridge
+        assert not np.allclose(alone[layer].fix.w_p, plain[layer].fix.w_p, atol=1e-9)
+
+
 def test_ill_conditioned_or_broken_layers_never_give_non_finite_weights():
     a, p, delta, y, _ = planted()
     a[:] = 0.0  # attention output identically zero: a singular Gram matrix
