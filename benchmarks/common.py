@@ -39,3 +39,13 @@ def drift_refit(model, fit_windows, chosen, fixes: dict, stream: dict) -> dict:
         on = {KINDS[0]: before, KINDS[1]: before & set(fixes)}
         fixes[layer] = compensation.fit(model, fit_windows, {layer}, fixes=fixes, on=on, drift=stream)[layer].fix
     return fixes
+
+
+def kl_score(model, layers, fixes, windows) -> str:
+    """KL, top-1 agreement and dNLL of `model` with `layers` compensated by `fixes`, against `model`, on `windows`."""
+    from surgery import evaluate
+    from surgery.select import rewrite
+
+    base, after = evaluate.compare([model, rewrite(model, layers, fixes=fixes).model], windows)
+    kl = evaluate.divergence(after)
+    return f"KL {kl}  top-1 {100 * kl.top1:.1f} %  dNLL {evaluate.delta(base, after)}"

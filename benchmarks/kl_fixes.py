@@ -17,17 +17,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import drift_refit, smollm2
+from common import drift_refit, kl_score, smollm2
 
-from surgery import compensation, data, evaluate, graph
+from surgery import compensation, data, graph
 from surgery.layers import parse_layers
-from surgery.select import rewrite
-
-
-def score(model, layers, fixes, windows) -> str:
-    base, after = evaluate.compare([model, rewrite(model, layers, fixes=fixes).model], windows)
-    kl = evaluate.divergence(after)
-    return f"KL {kl}  top-1 {100 * kl.top1:.1f} %  dNLL {evaluate.delta(base, after)}"
 
 
 def main() -> None:
@@ -52,17 +45,17 @@ def main() -> None:
             fits = compensation.fit(model, windows, set(layers), ridges=ridges)
             print(f"{name}: ridges {[fits[l].ridge for l in layers]}, held-out residual {[round(fits[l].residual, 3) for l in layers]}, "
                   f"fit {time.perf_counter() - start:.0f} s", flush=True)
-            print(f"  tuning windows: {score(model, layers, {l: fits[l].fix for l in layers}, tuning)}", flush=True)
-        print(f"plain: tuning windows: {score(model, layers, {}, tuning)}", flush=True)
+            print(f"  tuning windows: {kl_score(model, layers, {l: fits[l].fix for l in layers}, tuning)}", flush=True)
+        print(f"plain: tuning windows: {kl_score(model, layers, {}, tuning)}", flush=True)
     if "drift" in args.what:
         evaluation = data.windows(folder, seq_len=256, max_windows=16, part="evaluation")
         stream: dict = {}
         fits = compensation.fit(model, fit_windows, keep_stream=stream)
         own = {l: fits[l].fix for l in layers}
-        print(f"own defect: selection {score(model, layers, own, selection)}; evaluation {score(model, layers, own, evaluation)}", flush=True)
+        print(f"own defect: selection {kl_score(model, layers, own, selection)}; evaluation {kl_score(model, layers, own, evaluation)}", flush=True)
         drift = drift_refit(model, fit_windows, layers, own, stream)
-        print(f"drift-correcting, in layer order: selection {score(model, layers, drift, selection)}; "
-              f"evaluation {score(model, layers, drift, evaluation)}", flush=True)
+        print(f"drift-correcting, in layer order: selection {kl_score(model, layers, drift, selection)}; "
+              f"evaluation {kl_score(model, layers, drift, evaluation)}", flush=True)
 
 
 if __name__ == "__main__":

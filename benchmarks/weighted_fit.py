@@ -19,12 +19,11 @@ import argparse
 import time
 
 import numpy as np
-from common import smollm2
+from common import kl_score, smollm2
 
-from surgery import compensation, data, evaluate, graph, runtime
+from surgery import compensation, data, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.layers import parse_layers
-from surgery.select import rewrite
 
 
 class Tapped:
@@ -68,12 +67,6 @@ def weights(tapped: Tapped, windows: data.Windows) -> tuple[list[np.ndarray], li
     return [[w / np.mean(np.concatenate(ws)) for w in ws] for ws in (fisher, rms)]
 
 
-def score(model, layers, fixes, windows) -> str:
-    base, after = evaluate.compare([model, rewrite(model, layers, fixes=fixes).model], windows)
-    kl = evaluate.divergence(after)
-    return f"KL {kl}  top-1 {100 * kl.top1:.1f} %  dNLL {evaluate.delta(base, after)}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", default="7,23-29")
@@ -93,8 +86,8 @@ def main() -> None:
         fits = compensation.fit(model, fit_windows, set(layers), token_weights=w)
         fixes = {l: fits[l].fix for l in layers}
         print(f"{name}: ridges {[fits[l].ridge for l in layers]}, fit {time.perf_counter() - start:.0f} s", flush=True)
-        print(f"  selection: {score(model, layers, fixes, selection)}", flush=True)
-        print(f"  held out: {score(model, layers, fixes, held_out)}", flush=True)
+        print(f"  selection: {kl_score(model, layers, fixes, selection)}", flush=True)
+        print(f"  held out: {kl_score(model, layers, fixes, held_out)}", flush=True)
 
 
 if __name__ == "__main__":
