@@ -49,3 +49,14 @@ def kl_score(model, layers, fixes, windows) -> str:
     base, after = evaluate.compare([model, rewrite(model, layers, fixes=fixes).model], windows)
     kl = evaluate.divergence(after)
     return f"KL {kl}  top-1 {100 * kl.top1:.1f} %  dNLL {evaluate.delta(base, after)}"
+
+
+def lm_head(model, path):
+    """The MatMul that gives `logits` and its weight [d_model, vocab] as an array (optimum's tied export:
+    Transpose(embed_tokens)); exits with one line when logits come from another op."""
+    head = next(o for o in model.graph.outputs if o.name == "logits").producer()
+    if head.op_type != "MatMul":
+        raise SystemExit(f"{path}: logits come from {head.op_type}, not a MatMul")
+    weight = head.inputs[1]
+    tied = weight.const_value is None
+    return head, weight.producer().inputs[0].const_value.numpy().T if tied else weight.const_value.numpy()

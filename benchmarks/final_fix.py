@@ -17,7 +17,7 @@ import argparse
 import time
 
 import numpy as np
-from common import smollm2
+from common import lm_head, smollm2
 
 from surgery import compensation, data, graph, runtime
 
@@ -29,14 +29,9 @@ class Tapped:
 
     def __init__(self, path):
         model = graph.load(path)
-        head = next(o for o in model.graph.outputs if o.name == "logits").producer()
-        if head.op_type != "MatMul":
-            raise SystemExit(f"{path}: logits come from {head.op_type}, not a MatMul")
+        head, self.weight = lm_head(model, path)
         self.hidden = head.inputs[0]
         model.graph.outputs.append(self.hidden)
-        weight = head.inputs[1]
-        tied = weight.const_value is None  # optimum's tied export: Transpose(embed_tokens)
-        self.weight = weight.producer().inputs[0].const_value.numpy().T if tied else weight.const_value.numpy()
         self.session = runtime.session(model)
 
     def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -19,11 +19,12 @@ import argparse
 import time
 
 import numpy as np
-from common import kl_score, smollm2
+from common import kl_score, lm_head, smollm2
 
 from surgery import compensation, data, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.layers import parse_layers
+from surgery.nodes import values_by_name
 
 
 class Tapped:
@@ -32,14 +33,9 @@ class Tapped:
 
     def __init__(self, path):
         model = graph.load(path)
-        head = next(o for o in model.graph.outputs if o.name == "logits").producer()
-        if head.op_type != "MatMul":
-            raise SystemExit(f"{path}: logits come from {head.op_type}, not a MatMul")
-        weight = head.inputs[1]
-        tied = weight.const_value is None  # optimum's tied export: Transpose(embed_tokens)
-        self.weight = weight.producer().inputs[0].const_value.numpy().T if tied else weight.const_value.numpy()
+        head, self.weight = lm_head(model, path)
         self.names = ["logits", head.inputs[0].name, find_blocks(model)[-1].resid_post]
-        values = {v.name: v for n in model.graph for v in n.outputs}
+        values = values_by_name(model)
         model.graph.outputs.extend(values[name] for name in self.names[1:])
         self.session = runtime.session(model)
 

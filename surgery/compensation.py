@@ -130,14 +130,14 @@ class NormalEquations:
         n = len(delta)
         dtype = np.result_type(attn_out, mlp_x, delta, np.float32)
         z = np.concatenate([attn_out, mlp_x, np.ones((n, 1))], axis=1, dtype=dtype)
-        root = None if weight is None else np.sqrt(weight.astype(np.float64)).astype(dtype)[:, None]
-        target = delta.astype(dtype) if root is None else delta.astype(dtype) * root
+        target, w = delta.astype(dtype), 1.0
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
-            if root is not None:
-                z *= root
+            if weight is not None:  # rows scaled by sqrt(weight): the weighted products
+                w = weight.astype(np.float64)[:, None]
+                root = np.sqrt(w).astype(dtype)
+                z, target = z * root, target * root
             self.zz[fold] += z.T @ z
             self.zd[fold] += z.T @ target
-        w = 1.0 if weight is None else weight.astype(np.float64)[:, None]
         self.dd[fold] += float(np.sum(w * delta.astype(np.float64) ** 2))
         self.yy[fold] += float(np.sum(w * resid_post.astype(np.float64) ** 2))
         self.tokens[fold] += n
