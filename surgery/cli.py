@@ -207,6 +207,7 @@ def parallelize(
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 64,
     fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the available memory. Fewer bytes, more passes over the fit windows.")] = "auto",
+    input_fix: Annotated[bool, typer.Option("--input-fix/--no-input-fix", help="A compensated block's mlp also reads a least-squares prediction of its sequential input, ln2(resid_pre) (I + W_in) + b_in, folded into W_gate and W_up (plain float projections only; one more fit pass).")] = True,
     requantize: Annotated[str, typer.Option(help="Int4 / int8 (MatMulNBits) weights a fix is folded into: `gptq` chooses their codes error-aware on the fit's input statistics, `nearest` rounds them; both keep the node's scales.")] = "gptq",
     windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).")] = 16,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
@@ -237,7 +238,7 @@ def parallelize(
     if explicit:
         _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit=fit, fused=fuse, corpus=data, seq_len=seq_len,
                                                  fit_windows=fit_windows, tokenizer=tokenizer, options=options, fit_memory=fit_memory,
-                                                 requantize=requantize), as_json)
+                                                 requantize=requantize, input_side=input_fix), as_json)
         return
     with _progress() as tell:
         outcome, written = select.auto(
@@ -245,6 +246,7 @@ def parallelize(
             fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
             tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray, fit_memory=fit_memory, requantize=requantize,
+            input_side=input_fix,
         )
     sel = outcome.selection
     for layer, why in sel.uncompensated.items():

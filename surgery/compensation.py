@@ -57,7 +57,7 @@ from surgery.errors import SurgeryError
 from surgery.facts import embedding_table, stream_dtype
 from surgery.nodes import Emitter, values_by_name
 from surgery.passes import Fix, projection
-from surgery.passes.compensate import refusal
+from surgery.passes.compensate import input_fixed, redirect_readers, refusal
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # times diag(Z'Z); chosen per layer on the held-out fold
 MEMORY_BYTES = 2 << 30  # the normal equations' bound when the available memory cannot be read (--fit-memory auto: a quarter of it)
@@ -65,6 +65,8 @@ MEMORY_SHARE = 0.25
 KINDS = [("parallelize",), ("compensate",)]  # the switchboard kinds every fit and trial uses
 FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what the fit graph outputs per sequential block
 INPUT_TAPS = ("o_in", "down_in")  # ... and, where W_o and W_down are MatMulNBits, their inputs (the parallel block's)
+MLP_IN_TAPS = ("mlp_u", "mlp_v")  # ... and in the input side's pass: ln2(resid_pre) and ln2(resid_mid) as the mlp reads them
+STAGES = ("inputs", "outputs")  # a fit graph's taps: the input side's (MLP_IN_TAPS) or the output side's (the rest)
 REQUANTIZE = ("gptq", "nearest")  # how a fix folded into MatMulNBits weights chooses their codes (surgery.nbits)
 RESUME, STREAM = "surgery/fit/resid_pre", "surgery/fit/stream"  # a pass's stream into its first block, from the pass before
 Progress = Callable[[int, int], None]
@@ -82,6 +84,7 @@ class FitResult:
     tokens: int
     note: str = ""
     scores: dict = dataclasses.field(default_factory=dict)  # c, c_stream, alpha on the fit windows
+    input_residual: float | None = None  # the input side: held-out E|v - u'|^2 / E|v - u|^2 (None: no input side)
 
     @property
     def c_stream(self) -> float:
@@ -191,6 +194,54 @@ class NormalEquations:
         return FitResult(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), tokens, "", scores)
 
 
+class InputEquations:
+    """One block's running sums for the input side, v - u ~ [u, 1] W with u = ln2(resid_pre) and v = ln2(resid_mid) as
+    the mlp's input projections read them, per fold, in float64: Fix.w_in and b_in, so that the parallel block's mlp
+    reads a linear prediction of its sequential input."""
+
+    def __init__(self, d_model: int):
+        k = d_model + 1
+        self.zz = np.zeros((2, k, k))
+        self.zd = np.zeros((2, k, d_model))
+        self.dd = np.zeros(2)  # sum |v - u|^2
+        self.tokens = np.zeros(2, dtype=np.int64)
+
+    def update(self, fold: int, u: np.ndarray, v: np.ndarray, weight: np.ndarray | None = None) -> None:
+        """Add tokens ([tokens, d_model] each), products in the activations' precision (at least float32); weight:
+        [tokens], a weighted least squares as in NormalEquations.update."""
+        dtype = np.result_type(u, v, np.float32)
+        z = np.concatenate([u, np.ones((len(u), 1))], axis=1, dtype=dtype)
+        target = v.astype(dtype) - u.astype(dtype)
+        energy = target.astype(np.float64) ** 2
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
+            if weight is not None:
+                root = np.sqrt(weight.astype(np.float64))[:, None]
+                z, target, energy = z * root.astype(dtype), target * root.astype(dtype), energy * root**2
+            self.zz[fold] += z.T @ z
+            self.zd[fold] += z.T @ target
+        self.dd[fold] += float(np.sum(energy))
+        self.tokens[fold] += len(u)
+
+    def add(self, other: "InputEquations") -> None:
+        for mine, theirs in ((self.zz, other.zz), (self.zd, other.zd), (self.dd, other.dd), (self.tokens, other.tokens)):
+            mine += theirs
+
+    def solve(self, ridges=RIDGES) -> tuple[Fix, float] | None:
+        """The input side (a Fix with w_in and b_in only) and its held-out residual fraction, the ridge chosen as
+        NormalEquations.solve chooses it; None when it cannot be fitted (too few windows, not finite)."""
+        d = self.zd.shape[2]
+        if self.tokens.min() == 0 or not all(np.isfinite(a).all() for a in (self.zz, self.zd, self.dd)):
+            return None
+        try:
+            ridge, left = _choose_ridge(self.zz[0], self.zd[0], self.zz[1], self.zd[1], self.dd[1], ridges)
+            weights = _ridge_solve(self.zz.sum(0), self.zd.sum(0), ridge)
+        except np.linalg.LinAlgError:
+            return None
+        if not np.isfinite(weights).all():
+            return None
+        return Fix(w_in=weights[:d], b_in=weights[d]), max(float(left), 0.0) / max(float(self.dd[1]), 1e-300)
+
+
 def _scaling(zz: np.ndarray) -> np.ndarray:
     """Jacobi scaling diag(zz)^-1/2: the scaled Gram matrix has a unit diagonal, so the ridge is
     relative to each feature's energy."""
@@ -237,7 +288,8 @@ def fit_tap(layer: int, what: str) -> str:
 
 
 def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Collection[int] | None = None,
-              resume: int | None = None, hand_on: int | None = None, inputs: bool = True) -> ir.Model:
+              resume: int | None = None, hand_on: int | None = None, inputs: bool = True, stage: str = "outputs",
+              input_sides: dict[int, Fix] | None = None) -> ir.Model:
     """The switchboard of KINDS reduced to the fit taps of the sequential blocks in `layers` (all when None; no logits,
     no KV cache): attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post, whatever the
     switches (each block's mlp is evaluated a second time, on the input its branch does not read).
@@ -245,12 +297,18 @@ def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Coll
     resume: block `resume` reads its resid_pre from the input RESUME (as an earlier pass handed it on), so the blocks
     before it compute nothing; hand_on: output block `hand_on`'s resid_pre as STREAM. Nothing after the last block
     whose taps or stream are asked for is computed: ORT runs a whole graph whatever outputs a run asks for.
-    inputs: also the inputs of W_o and W_down where both are MatMulNBits (INPUT_TAPS), for the error-aware requantization."""
-    board = board_graph.switchboard(model, KINDS, fixes, taps=_fit_taps)
+    inputs: also the inputs of W_o and W_down where both are MatMulNBits (INPUT_TAPS), for the error-aware requantization.
+    stage: `outputs`, the taps above; `inputs`, the input side's MLP_IN_TAPS instead (ln2(resid_pre) and ln2(resid_mid)
+    as the mlp's input projections read them, where they are plain projections), and none of the twin mlp is computed.
+    input_sides: per layer, the input side (Fix.w_in, b_in) the parallel block's mlp reads through while the layer's
+    parallelize switch is off, so mlp_x and delta are those of the input-fixed parallel block."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown fit stage {stage!r}")
+    board = board_graph.switchboard(model, KINDS, fixes, taps=functools.partial(_fit_taps, input_sides=input_sides or {}))
     g = board.graph
-    wanted = None if layers is None else {fit_tap(l, w) for l in layers for w in FIT_TAPS + INPUT_TAPS}
-    taps = [v for v in g.outputs if v.name.startswith("surgery/fit/") and (wanted is None or v.name in wanted)
-            and (inputs or not v.name.endswith(INPUT_TAPS))]
+    names = MLP_IN_TAPS if stage == "inputs" else FIT_TAPS + (INPUT_TAPS if inputs else ())
+    taps = [v for v in g.outputs if v.name.startswith("surgery/fit/") and v.name.endswith(names)
+            and (layers is None or v.name.split("/")[2] in {f"blocks.{l}" for l in layers})]
     g.outputs.clear()
     g.outputs.extend(taps)
     blocks = {b.layer: b for b in find_blocks(model)}
@@ -272,16 +330,34 @@ def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Coll
     return board
 
 
-def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: str) -> None:
-    """Output attn_out, mlp_x, delta, resid_post of a sequential block, with its parallelize switch `on` or off."""
+def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: str, input_sides: dict[int, Fix]) -> None:
+    """Output attn_out, mlp_x, delta, resid_post of a sequential block, with its parallelize switch `on` or off, and
+    the mlp's input read from resid_pre and from resid_mid (where its input projections are plain ones); with an input
+    side in `input_sides`, the twin mlp, while it reads resid_pre, reads it through that side."""
     g, values, e = board.graph, board.values, board.emitter(prefix)
     mid, pre = values[block.resid_mid], values[block.resid_pre]
     other = e.op("Where", [on, mid, pre], "twin_in")  # the input the mlp branch does not read
-    copies = twin_branch(g, branch_nodes(board.model, block, "mlp", values), {mid: other}, f"{prefix}/twin")
+    mlp_in = board.mlp_inputs(block)  # before the twin and the taps read ln2's output
+    branch = branch_nodes(board.model, block, "mlp", values)
+    copies = twin_branch(g, branch, {mid: other}, f"{prefix}/twin")
+    top = board.emitter("")
+    if not isinstance(mlp_in, str):
+        u, twin_u = mlp_in[0], copies[mlp_in[0]]
+        readers = {user for user, _ in twin_u.uses()}
+        if block.layer in input_sides:
+            side = board.emitter(f"{prefix}/twin/mlp_in")
+            fixed = input_fixed(board, side, twin_u, input_sides[block.layer])
+            redirect_readers(twin_u, side.op("Where", [on, twin_u, fixed], "chosen"), readers)
+        # ln2 of resid_pre and of resid_mid, each from a copy of ln2's nodes: whatever the switches, and without
+        # reading ln2's own output, which the parallelize switch requires the branch alone to read
+        norm = _producers(u, branch)
+        for what, source in (("mlp_u", pre), ("mlp_v", mid)):
+            value = top.op("Identity", [twin_branch(g, norm, {mid: source}, f"{prefix}/{what}")[u]], fit_tap(block.layer, what))
+            value.type = u.type or values[block.resid_pre].type
+            g.outputs.append(value)
     own = values[block.mlp_out]
     twin = copies[own]
     on_mid = e.op("Where", [on, twin, own], "mlp_h")
-    top = board.emitter("")
     on_pre = top.op("Where", [on, own, twin], fit_tap(block.layer, "mlp_x"))
     delta = top.op("Sub", [on_mid, on_pre], fit_tap(block.layer, "delta"))
     stream_type = values[block.resid_pre].type
@@ -299,6 +375,18 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: s
             value = top.op("Identity", [value], fit_tap(block.layer, what))
             value.type = stream_type
             g.outputs.append(value)
+
+
+def _producers(value: ir.Value, within: set[ir.Node]) -> set[ir.Node]:
+    """The nodes of `within` that `value` is computed by (it and its ancestors there)."""
+    found: set[ir.Node] = set()
+    todo = [value.producer()]
+    while todo:
+        node = todo.pop()
+        if node is not None and node in within and node not in found:
+            found.add(node)
+            todo.extend(x.producer() for x in node.inputs if x is not None)
+    return found
 
 
 class Accumulator:
@@ -323,12 +411,16 @@ class Accumulator:
         keep: bool = False,
         progress: Callable[[], None] | None = None,
         weights: list[np.ndarray] | None = None,
-    ) -> tuple[dict[int, NormalEquations], list[np.ndarray], dict[int, list[np.ndarray]], dict[str, float]]:
+        stage: str = "outputs",
+    ) -> tuple[dict[int, NormalEquations | InputEquations], list[np.ndarray], dict[int, list[np.ndarray]], dict[str, float]]:
         """The sums of `chunk`'s layers over the windows `ids` (row j is window first + j: fold (first + j) % 2); the
         stream the graph hands on, per window; each layer's resid_post when `keep`; the seconds of forward and
         accumulate. state: the fixes in the graph and the layers switched to parallel and to compensated.
         streams: per window, the stream into the pass's first block (when the graph resumes); drift: this run's
-        rows of the drift targets; weights: per window, the tokens' weights (NormalEquations.update)."""
+        rows of the drift targets; weights: per window, the tokens' weights (NormalEquations.update). stage `inputs`:
+        the input side's sums (InputEquations) of the layers whose graph has its taps (fit_graph(stage="inputs"))."""
+        if stage == "inputs":
+            return self._run_inputs(chunk, ids, first, switches, streams, progress, weights)
         fixes, parallel_on, fixed_on = state
         sums: dict[int, NormalEquations] = {}
         handed: list[np.ndarray] = []
@@ -363,6 +455,30 @@ class Accumulator:
                 progress()
         return sums, handed, kept, clock
 
+    def _run_inputs(self, chunk, ids, first, switches, streams, progress, weights):
+        layers = [l for l in chunk if fit_tap(l, MLP_IN_TAPS[0]) in self.names]
+        sums: dict[int, InputEquations] = {}
+        handed: list[np.ndarray] = []
+        clock = {"forward": 0.0, "accumulate": 0.0}
+        names = [fit_tap(l, w) for l in layers for w in MLP_IN_TAPS] + ([STREAM] if self.hands_on else [])
+        for j in range(len(ids)):
+            extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}
+            start = time.perf_counter()
+            out = dict(zip(names, self.session.run(names, runtime.feeds(self.session, ids[j : j + 1], extra=extra))))
+            clock["forward"] += time.perf_counter() - start
+            if self.hands_on:
+                handed.append(out[STREAM])
+            start = time.perf_counter()
+            for layer in layers:  # token 0, the attention sink, left out
+                u, v = (out[fit_tap(layer, w)][0, 1:] for w in MLP_IN_TAPS)
+                if layer not in sums:
+                    sums[layer] = InputEquations(u.shape[-1])
+                sums[layer].update((first + j) % 2, u, v, None if weights is None else weights[j])
+            clock["accumulate"] += time.perf_counter() - start
+            if progress:
+                progress()
+        return sums, handed, {}, clock
+
 
 def fit(
     model: ir.Model,
@@ -382,6 +498,7 @@ def fit(
     seconds: dict[str, float] | None = None,
     requantize: str = "gptq",
     token_weights: list[np.ndarray] | None = None,
+    input_side: bool = True,
 ) -> dict[int, FitResult]:
     """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
@@ -402,7 +519,12 @@ def fit(
     float64 sums; on Ray, both summed over the actors) and solve (the ridge choice, the solve and any requantization).
     requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE): `gptq`, error-aware
     on the second moments of their inputs gathered in the same pass, or `nearest`.
-    token_weights: per window, a weight for each of its tokens 1.. (token 0 is left out): a weighted least squares.
+    token_weights: per window, a weight for each of its tokens 1.. (token 0 is left out): a weighted least squares, of
+    both sides.
+    input_side: a full fix (not the gate, not the drift fit) also gets an input side (Fix.w_in, b_in), fitted in a pass
+    of its own before the output side's, where the mlp's input projections are plain (not MatMulNBits) ones: each
+    chunk of layers costs two passes then, the first without the twin mlp; the output side is then fitted to the
+    defect left by the input-fixed mlp (module docstring). A block compensated while fitted keeps its fix's input side.
     """
     if requantize not in REQUANTIZE:
         raise SurgeryError(f"unknown requantization {requantize!r}; choose one of {', '.join(REQUANTIZE)}")
@@ -436,7 +558,10 @@ def fit(
     results: dict[int, FitResult] = {}
     by_layer = {b.layer: b for b in blocks}
     chunks = _chunks(todo, table[1], memory_bytes, pool.copies, _input_widths(model, todo, requantize))
-    done, total = 0, len(chunks) * len(windows)
+    values: dict[str, ir.Value] | None = None
+    sides = _input_sided(model, todo, skip=state[2]) if input_side and kind == "full" and drift is None else set()
+    input_residual: dict[int, float] = {}
+    done, total = 0, (len(chunks) + sum(1 for chunk in chunks if sides.intersection(chunk))) * len(windows)
 
     def tick(count: int = 1) -> None:
         nonlocal done
@@ -445,29 +570,29 @@ def fit(
             progress(done, total)
 
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
-    values: dict[str, ir.Value] | None = None
-    for c, chunk in enumerate(chunks):
-        graph = fit_graph(model, fixes, chunk, resume=chunk[0] if c else None, hand_on=chunks[c + 1][0] if c + 1 < len(chunks) else None,
-                          inputs=requantize == "gptq")
+
+    def run_pass(graph: ir.Model, chunk: list[int], streams, stage: str) -> tuple[dict, list[np.ndarray]]:
+        """One pass of `graph` over the windows: the chunk's sums, added in window order, and the streams handed on."""
+        outputs = stage == "outputs"
         if pool.distributed:  # one contiguous run of windows per actor
             actors = pool.actors(graph, functools.partial(Accumulator, options=pool.options(options)))
             jobs = [(chunk, windows.ids[a:b], a, switches, state, None if streams is None else streams[a:b],
-                     None if drift is None else {l: drift[l][a:b] for l in chunk}, keep, None,
-                     None if token_weights is None else token_weights[a:b]) for a, b in runs]
+                     None if drift is None or not outputs else {l: drift[l][a:b] for l in chunk}, keep and outputs, None,
+                     None if token_weights is None else token_weights[a:b], stage) for a, b in runs]
             parts = actors.map("run", jobs)
         else:
-            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift, keep, tick, token_weights)]
-        del graph
-        sums: dict[int, NormalEquations] = {}
-        streams = []
-        for (a, b), (part, handed, kept, part_clock) in zip(runs, parts):  # in window order (in process: one run, all windows)
+            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift if outputs else None,
+                                                     keep and outputs, tick, token_weights, stage)]
+        sums: dict[int, NormalEquations | InputEquations] = {}
+        handed: list[np.ndarray] = []
+        for (a, b), (part, stream, kept, part_clock) in zip(runs, parts):  # in window order (in process: one run, all windows)
             start = time.perf_counter()
             for layer, eq in part.items():
                 if layer in sums:
                     sums[layer].add(eq)
                 else:  # what a Ray actor returned is read-only
                     sums[layer] = eq if eq.zz.flags.writeable else copy.deepcopy(eq)
-            streams.extend(handed)
+            handed.extend(stream)
             for layer, kept_streams in kept.items():
                 keep_stream.setdefault(layer, []).extend(kept_streams)
             clock["accumulate"] += time.perf_counter() - start
@@ -475,15 +600,39 @@ def fit(
                 clock[key] += value
             if pool.distributed:
                 tick(b - a)
+        return sums, handed
+
+    for c, chunk in enumerate(chunks):
+        resume, hand_on = chunk[0] if c else None, chunks[c + 1][0] if c + 1 < len(chunks) else None
+        sided = [l for l in chunk if l in sides]
+        input_sides: dict[int, Fix] = {}
+        if sided:  # the input side's pass first, from the same stream; the output side's pass hands it on
+            sums, _ = run_pass(fit_graph(model, fixes, sided, resume=resume, stage="inputs"), chunk, streams, "inputs")
+            start = time.perf_counter()
+            for layer in sided:
+                solved = sums[layer].solve(ridges)
+                if solved is not None:
+                    input_sides[layer], input_residual[layer] = solved
+            clock["solve"] += time.perf_counter() - start
+            del sums
+        graph = fit_graph(model, fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq", input_sides=input_sides)
+        sums, streams = run_pass(graph, chunk, streams, "outputs")
+        del graph
         start = time.perf_counter()
         for layer in chunk:
             results[layer] = sums[layer].solve(layer, kind, ridges, defect=drift is None)
             if no_fold[layer]:  # scored, but its fix has nowhere to go: the block stays plain
                 results[layer] = dataclasses.replace(results[layer], fix=None, note=no_fold[layer])
-            elif sums[layer].grams and results[layer].fix is not None:
-                values = values if values is not None else values_by_name(model)  # once, for the first quantized block
-                fix = requantized(values, by_layer[layer], results[layer].fix, sums[layer].grams)
-                results[layer] = dataclasses.replace(results[layer], fix=fix)
+            elif results[layer].fix is not None:
+                # a block compensated while fitted (the refit) keeps its fix's input side, which its mlp read
+                side = input_sides.get(layer) or (state[0].get(layer) if layer in state[2] else None)
+                if side is not None and side.fixes_input:
+                    fix = dataclasses.replace(results[layer].fix, w_in=side.w_in, b_in=side.b_in)
+                    results[layer] = dataclasses.replace(results[layer], fix=fix, input_residual=input_residual.get(layer))
+                if sums[layer].grams:
+                    values = values if values is not None else values_by_name(model)  # once, for the first quantized block
+                    fix = requantized(values, by_layer[layer], results[layer].fix, sums[layer].grams)
+                    results[layer] = dataclasses.replace(results[layer], fix=fix)
         clock["solve"] += time.perf_counter() - start
         del sums
     return results
@@ -536,13 +685,24 @@ def requantized(values: dict[str, ir.Value], block: BlockMap, fix: Fix, grams: d
 
 
 def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES, pool: cluster.Pool | None = None,
-           requantize: str = "gptq") -> int:
-    """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None)."""
+           requantize: str = "gptq", kind: str = "full", input_side: bool = True) -> int:
+    """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None), nothing
+    compensated yet: one per chunk of layers, and one more for each chunk with an input side to fit."""
     table = embedding_table(model)
     todo = [b.layer for b in find_blocks(model) if not b.is_parallel and (layers is None or b.layer in layers)]
     if not todo or not table:
         return 0
-    return len(_chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies, _input_widths(model, todo, requantize)))
+    chunks = _chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies, _input_widths(model, todo, requantize))
+    sides = _input_sided(model, todo) if input_side and kind == "full" else set()
+    return len(chunks) + sum(1 for chunk in chunks if sides.intersection(chunk))
+
+
+def _input_sided(model: ir.Model, layers: Collection[int], skip: Collection[int] = ()) -> set[int]:
+    """The layers whose fix gets an input side: its mlp's input projections are plain ones (not MatMulNBits), the fix
+    folds, and the layer is not in `skip` (compensated already: it keeps its fix's)."""
+    values, blocks = values_by_name(model), {b.layer: b for b in find_blocks(model)}
+    return {l for l in layers if l not in skip and _no_fold(model, blocks[l]) is None
+            and not isinstance(projection.mlp_inputs(model, values, blocks[l]), str)}
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

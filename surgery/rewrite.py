@@ -35,13 +35,14 @@ def rewrite_file(model_path: Path, out_path: Path, layers: str, apply: Callable[
 
 def parallelize_file(model_path: Path, out_path: Path, layers: str, *, fit: str | None = None, fused: bool = False, corpus=None,
                      seq_len: int = 256, fit_windows: int = 64, tokenizer=None, options: runtime.Options = runtime.Options(),
-                     fit_memory: int | str | None = None, requantize: str = "gptq"):
+                     fit_memory: int | str | None = None, requantize: str = "gptq", input_side: bool = True):
     """The named blocks in parallel form: plain, or with the fix `fit` fitted on calibration windows and folded in; fused or not."""
     def apply(model, chosen):
         fixes = None
         if fit is not None:
             fixes = select.fit_fixes(model, model_path, chosen, fit=fit, corpus=corpus, seq_len=seq_len, fit_windows=fit_windows,
-                                     tokenizer=tokenizer, options=options, fit_memory=fit_memory, requantize=requantize)
+                                     tokenizer=tokenizer, options=options, fit_memory=fit_memory, requantize=requantize,
+                                     input_side=input_side)
         return select.rewrite(model, chosen, fused=fused, fixes=fixes)
 
     return rewrite_file(model_path, out_path, layers, apply)

@@ -190,13 +190,15 @@ def select_layers(
     pool: cluster.Pool = cluster.Pool(),
     fit_memory: int | str | None = None,
     requantize: str = "gptq",
+    input_side: bool = True,
 ) -> Selection:
     """Greedy selection of blocks to parallelize (see the module docstring). `windows` are the
     selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted.
     patience: stop after this many candidates in a row miss the budget (None or 0: try them all).
     pool: where the fit's windows and each trial's batches of selection windows are run (Ray actors, or this process).
     fit_memory: the bytes one fit pass's normal equations may take (compensation.memory_bound: None is auto).
-    requantize: how fixes folded into MatMulNBits weights choose their codes (compensation.REQUANTIZE)."""
+    requantize: how fixes folded into MatMulNBits weights choose their codes (compensation.REQUANTIZE).
+    input_side: full fixes get an mlp input side where it folds (compensation.fit)."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
         raise SurgeryError(f"unknown score {score!r}; use one of {', '.join(SCORES)}")
@@ -214,8 +216,9 @@ def select_layers(
     memory = compensation.memory_bound(fit_memory) if fit is not None else None
     start = time.perf_counter()
     if fit is not None:
-        fit_passes = compensation.passes(model, memory_bytes=memory, pool=pool, requantize=requantize)
+        fit_passes = compensation.passes(model, memory_bytes=memory, pool=pool, requantize=requantize, kind=fit, input_side=input_side)
         fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=fit_seconds, requantize=requantize,
+                                input_side=input_side,
                                 progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
         stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
         stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
@@ -284,7 +287,7 @@ def select_layers(
     if refit and compensated:
         start = time.perf_counter()
         on = {KINDS[0]: set(chosen), KINDS[1]: compensated}
-        fit_passes += compensation.passes(model, compensated, memory, pool, requantize)
+        fit_passes += compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
         again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory, pool=pool,
                                  requantize=requantize,
                                  seconds=fit_seconds, progress=lambda d, t: tell("refit", d, t))
@@ -343,12 +346,13 @@ def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[str,
 
 
 def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=64,
-              tokenizer=None, options=runtime.Options(), fit_memory: int | str | None = None, requantize: str = "gptq") -> dict[int, Fix]:
+              tokenizer=None, options=runtime.Options(), fit_memory: int | str | None = None, requantize: str = "gptq",
+              input_side: bool = True) -> dict[int, Fix]:
     """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers).
     A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
     windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
     fits = compensation.fit(model, windows, set(layers), kind=fit, options=options, memory_bytes=compensation.memory_bound(fit_memory),
-                            requantize=requantize)
+                            requantize=requantize, input_side=input_side)
     for layer, f in sorted(fits.items()):
         if f.fix is None:
             raise SurgeryError(f"cannot compensate block {layer}: {f.note}; or parallelize it plain with --no-compensate")

@@ -89,7 +89,8 @@ class Edits:
     parallel: blocks whose ln2 reads resid_pre. branch_edits: (branch, mode, layers, scale) applied
     in order, the mlp relative to ln2's input, attention relative to resid_pre; keep_sink: not to token 0. fixes: layer ->
     (w_a, w_p, b) arrays: that block's mlp output P becomes P + A w_a + P w_p + b (A = attn output),
-    so resid_post = resid_pre + A + P + A w_a + P w_p + b: the compensated parallel block.
+    so resid_post = resid_pre + A + P + A w_a + P w_p + b: the compensated parallel block; (w_a, w_p, b, w_in, b_in):
+    and ln2's output u, the mlp's input, becomes u + u w_in + b_in first (P is the mlp's output on that).
     """
 
     def __init__(self, model, parallel=(), branch_edits=(), fixes=None, keep_sink=False):
@@ -124,14 +125,21 @@ class Edits:
                     if kind == "attn":
                         state["attn"] = first
                     elif layer in self.fixes:
-                        w_a, w_p, b = self.fixes[layer]
+                        w_a, w_p, b = self.fixes[layer][:3]
                         first = first + state["attn"] @ w_a + first @ w_p + b
                     return (first,) + tuple(output[1:]) if isinstance(output, tuple) else first
 
                 return hook
 
+            def ln2_out(module, args, output, layer=layer):
+                if layer in self.fixes and len(self.fixes[layer]) == 5:
+                    w_in, b_in = self.fixes[layer][3:]
+                    return output + output @ w_in + b_in
+                return output
+
             self.handles += [
                 block.register_forward_pre_hook(save_pre, with_kwargs=True),
+                block.get_submodule(ln2_name).register_forward_hook(ln2_out),
                 block.get_submodule(ln2_name).register_forward_pre_hook(ln2_in),
                 block.get_submodule(attn_name).register_forward_hook(branch_hook("attn")),
                 block.get_submodule(mlp_name).register_forward_hook(branch_hook("mlp")),

@@ -16,9 +16,16 @@ from tests.helpers import IDS, Exported, logits  # noqa: E402
 from tests.reference import edited_logits  # noqa: E402
 
 
-def planted(d: int, layers, seed: int = 3) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def planted(d: int, layers, seed: int = 3, inputs: bool = False) -> dict[int, tuple[np.ndarray, ...]]:
+    """(w_a, w_p, b) per layer, and with `inputs` (w_in, b_in) too."""
     rng = np.random.default_rng(seed)
-    return {l: (0.1 * rng.standard_normal((d, d)), 0.1 * rng.standard_normal((d, d)), 0.1 * rng.standard_normal(d)) for l in layers}
+    shapes = [(d, d), (d, d), (d,)] + ([(d, d), (d,)] if inputs else [])
+    return {l: tuple(0.1 * rng.standard_normal(shape) for shape in shapes) for l in layers}
+
+
+def as_fix(arrays: tuple[np.ndarray, ...]) -> Fix:
+    """Fix(w_a, w_p, b) from planted arrays, with w_in and b_in where they are given."""
+    return Fix(*arrays[:3], **dict(zip(("w_in", "b_in"), arrays[3:])))
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2", "gpt_neox"])
@@ -27,12 +34,13 @@ def tiny(request, tiny_export):
     return Exported(tiny_export(request.param, seed=5))
 
 
+@pytest.mark.parametrize("inputs", [False, True], ids=["outputs", "with_input_side"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("layers", [{1}, {0, 2}], ids=str)
-def test_folded_fix_equals_the_hooked_model(tiny, layers, fused):
+def test_folded_fix_equals_the_hooked_model(tiny, layers, fused, inputs):
     d = tiny.torch.config.hidden_size
-    arrays = planted(d, layers)
-    fixes = {l: Fix(*a) for l, a in arrays.items()}
+    arrays = planted(d, layers, inputs=inputs)
+    fixes = {l: as_fix(a) for l, a in arrays.items()}
     result = fuse(tiny.onnx, layers, fixes) if fused else compensate(tiny.onnx, fixes)
     expected = edited_logits(tiny.torch, IDS, parallel=layers, fixes=arrays)
     np.testing.assert_allclose(logits(result.model), expected, rtol=1e-4, atol=1e-4)

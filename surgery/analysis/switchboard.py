@@ -22,7 +22,7 @@ from surgery import nodes
 from surgery.blocks import BlockMap, find_blocks
 from surgery.errors import SurgeryError
 from surgery.nodes import Emitter, values_by_name
-from surgery.passes import PASSES
+from surgery.passes import PASSES, projection
 from surgery.passes.common import Fix, float_dtype
 
 SWITCHES = "surgery_switches"
@@ -33,8 +33,9 @@ Taps = Callable[["Board", BlockMap, ir.Value, str], None]  # (board, sequential 
 class Board:
     """The switchboard graph while it is built: what a pass's switch builds with."""
 
-    def __init__(self, model: ir.Model, fixes: dict[int, Fix] | None, taps: bool, lazy: bool):
+    def __init__(self, model: ir.Model, fixes: dict[int, Fix] | None, taps: bool, lazy: bool, before: ir.Model | None = None):
         self.model, self.graph = model, model.graph
+        self.before = before if before is not None else model  # the model as given, before any switch or tap
         self.values = values_by_name(model)
         self.fixes = dict(fixes or {})
         self.fix_after_branch = taps  # a fix is added after the branch (the taps read the unfixed outputs)
@@ -42,6 +43,8 @@ class Board:
         self.dtype = float_dtype(model)
         self._feeding: dict[tuple[int, str], ir.Value] = {}  # what each branch's residual add reads now
         self._shared: dict[str, ir.Value] = {}
+        self._mlp_inputs: dict[int, tuple[ir.Value, list] | str] = {}
+        self._before_values: dict[str, ir.Value] | None = None
 
     def emitter(self, prefix: str) -> Emitter:
         return Emitter(prefix, graph=self.graph)
@@ -54,6 +57,20 @@ class Board:
         if key not in self._shared:
             self._shared[key] = make()
         return self._shared[key]
+
+    def mlp_inputs(self, block: BlockMap) -> tuple[ir.Value, list, set[ir.Node]] | str:
+        """projection.mlp_inputs of the block in this graph, ln2's output u and the projections reading it, and the
+        nodes reading u (or why there are no projections to fold into); found through the model as given and
+        remembered from the first call: the parallelize switch moves what ln2 reads, and a tap may read u later."""
+        if block.layer not in self._mlp_inputs:
+            if self._before_values is None:
+                self._before_values = values_by_name(self.before)
+            found = projection.mlp_inputs(self.before, self._before_values, block)
+            if not isinstance(found, str):
+                u = self.values[found[0].name]
+                found = (u, projection.reading(u, block.layer), {user for user, _ in u.uses()})
+            self._mlp_inputs[block.layer] = found
+        return self._mlp_inputs[block.layer]
 
     def output(self, block: BlockMap, branch: str) -> ir.Value:
         """What the residual add of `branch` ("attn" or "mlp") reads now: its output, or an earlier kind's choice."""
@@ -89,8 +106,8 @@ def switchboard(
     """
     switches = [_switch_of(kind) for kind in kinds]
     blocks = find_blocks(model)
-    model = model.clone()
-    board = Board(model, fixes, taps is not None, lazy)
+    before, model = model, model.clone()
+    board = Board(model, fixes, taps is not None, lazy, before)
     g, n = model.graph, len(blocks)
     row = ir.Value(name=SWITCHES, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([len(kinds), n]))
     g.inputs.append(row)

@@ -6,7 +6,9 @@ Each chosen block is parallelized (ln2 reads resid_pre) and its Fix folded into 
     W_down <- W_down (I + w_p)    b_down <- b_down (I + w_p) + b
 
 so resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b with the ops of parallel(l)
-(plus one bias Add where the mlp projection had no bias and b is given). Products are taken in
+(plus one bias Add where the mlp projection had no bias and b is given). A fix with an input side (Fix.w_in, b_in)
+is folded into the mlp's input projections too, W <- (I + w_in) W, b <- b + b_in W (a bias Add where one had none
+and b_in is given), so the mlp reads ln2(resid_pre) (I + w_in) + b_in at no extra cost. Products are taken in
 float64 and rounded once to each weight's own type (an fp16 graph stays fp16); MatMulNBits weights are requantized on
 the node's own scales and zero points (the fit's error-aware codes in Fix.packed, else rounded to nearest: surgery.nbits).
 New weights are new initializers: an external data file is never modified, and only the two projections of each chosen
@@ -47,6 +49,7 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
     model = parallelize(model, chosen).model  # a copy; names of the block tensors are unchanged
     g = model.graph
     values = values_by_name(model)
+    parallel = {b.layer: b for b in find_blocks(model)} if any(f.fixes_input for f in fixes.values()) else {}  # ln2 reads resid_pre
     changes = []
     for block in blocks:
         if block.layer not in chosen:
@@ -62,11 +65,45 @@ def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
         for node in {attn.node, mlp.node, out.producer()}:
             tag(node, NAME, layer)
         mlp.node.metadata_props[metadata.FIX] = fix.describe()
-        changes.append(Change(layer, f"parallel, {fix.describe()}: fix folded into W_o and W_down"))
+        where = "W_o and W_down"
+        if fix.fixes_input:
+            for i, p in enumerate(_input_side(model, parallel[layer], values)):
+                out = projection.set_weights(g, p, *projection.rounded(p, *fix.fold_input(p)), node_name(NAME, layer, f"mlp_in.{i}"))
+                for node in {p.node, out.producer()}:
+                    tag(node, NAME, layer)
+            where = "W_o, W_down and the mlp's input projections"
+        changes.append(Change(layer, f"parallel, {fix.describe()}: fix folded into {where}"))
     result = SurgeryResult(model, tuple(changes))
     if result.changed_layers:
         record(model, NAME, result.changed_layers, {"fixes": {str(c.layer): fixes[c.layer].describe() for c in changes if c.applied}})
     return result
+
+
+def _input_side(model: ir.Model, block: BlockMap, values: dict[str, ir.Value]) -> list[projection.Projection]:
+    """The mlp input projections an input fix folds into; SurgeryError naming the block when there are none to fold into."""
+    found = projection.mlp_inputs(model, values, block)
+    if isinstance(found, str):
+        raise SurgeryError(f"cannot fold the mlp input side of block {block.layer}'s fix: {found}")
+    return found[1]
+
+
+def input_fixed(board, e: Emitter, u: ir.Value, fix: Fix) -> ir.Value:
+    """u (I + w_in) + b_in as explicit ops (emitted through `e`): the input side of `fix` where a graph must keep u
+    itself, because a fit tap reads it."""
+    fixed = u
+    if fix.w_in is not None:
+        w = board.weight(e.name("w_in"), np.asarray(fix.w_in, board.dtype))
+        fixed = e.op("Add", [u, e.op("MatMul", [u, w], "times_w_in")], "plus_w_in")
+    if fix.b_in is not None:
+        fixed = e.op("Add", [fixed, board.weight(e.name("b_in"), np.asarray(fix.b_in, board.dtype))], "plus_b_in")
+    return fixed
+
+
+def redirect_readers(u: ir.Value, new: ir.Value, readers: set[ir.Node]) -> None:
+    """The nodes in `readers` that read u read `new` instead."""
+    for user, i in list(u.uses()):
+        if user in readers:
+            user.replace_input_with(i, new)
 
 
 def refusal(model: ir.Model, block: BlockMap) -> str | None:
@@ -96,14 +133,25 @@ def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
     fix = board.fixes.get(block.layer)
     if fix is None or block.is_parallel:
         return
+    inputs = []
+    if fix.fixes_input:
+        found = board.mlp_inputs(block)
+        if isinstance(found, str):
+            raise SurgeryError(f"cannot fold the mlp input side of block {block.layer}'s fix: {found}")
+        u, inputs, readers = found
     if board.fix_after_branch:
+        if inputs:  # the own branch's mlp reads the fixed input while on; a tap may read u itself
+            e = board.emitter(f"{prefix}/mlp_in")
+            redirect_readers(u, e.op("Where", [on, input_fixed(board, e, u, fix), u], "chosen"), readers)
         built: list[ir.Node] = []
         fixed = _fix_added(board, Emitter(prefix, nodes=built), board.output(block, "mlp"), block, fix, prefix)
         board.choose(block, "mlp", on, built, fixed, f"{prefix}/chosen", lazy=False)
         return
     values, e = board.values, board.emitter(prefix)
     attn, mlp = projection.outputs(values, block, NAME)
-    for p, (w, b), packed, what in zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")):
+    sides = list(zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")))
+    sides += [(p, fix.fold_input(p), None, f"mlp_in.{i}") for i, p in enumerate(inputs)]
+    for p, (w, b), packed, what in sides:
         w, b = projection.rounded(p, w, b, packed)
         stored = board.weight(f"{prefix}/{what}/weight", w.T if p.transposed else w)
         bias = None if b is None else board.weight(f"{prefix}/{what}/bias", b)

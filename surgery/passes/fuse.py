@@ -152,8 +152,8 @@ def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], f
 
     def fold(p: projection.Projection, ln) -> tuple[np.ndarray, np.ndarray]:
         scale = values[ln.scale].const_value.numpy().astype(np.float64)
-        weight = p.weight.astype(np.float64)
-        bias = np.zeros(weight.shape[1]) if p.bias is None else p.bias.astype(np.float64)
+        weight, bias = fix.fold_input(p) if ln is ln2 else (p.weight.astype(np.float64), p.bias)  # the fix's input side first
+        bias = np.zeros(weight.shape[1]) if bias is None else bias.astype(np.float64)
         if ln.bias is not None:
             bias = bias + values[ln.bias].const_value.numpy().astype(np.float64) @ weight
         return scale[:, None] * weight, bias
@@ -205,6 +205,8 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
     concatenated along N; a GenAI qkv_proj is one already), and [o ; down] one along K, its blocks concatenated
     (a residual multiplier goes into its scales)."""
     g, layer = model.graph, block.layer
+    if fix.fixes_input:  # the fit gives MatMulNBits blocks none (projection.mlp_inputs)
+        raise SurgeryError(f"cannot fuse block {layer}: its fix has an mlp input side, and its MatMulNBits W_gate / W_up would need requantizing")
     ln1, ln2 = block_norms(model, block, values)
     x = values[block.resid_pre]
     attn_out, mlp_out = projection.outputs(values, block)

@@ -14,7 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from surgery import nbits, nodes
-from surgery.blocks import BlockMap, branch_nodes
+from surgery.blocks import BlockMap, block_norms, branch_nodes
 from surgery.errors import SurgeryError
 
 
@@ -139,6 +139,20 @@ def outputs(values: dict[str, ir.Value], block: BlockMap, why: str = "fuse") -> 
     """The block's two output projections, W_o (producing attn_out) and W_down (producing mlp_out)."""
     return (producing(values[block.attn_out], block.layer, "attn_out", why),
             producing(values[block.mlp_out], block.layer, "mlp_out", why))
+
+
+def mlp_inputs(model: ir.Model, values: dict[str, ir.Value], block: BlockMap) -> tuple[ir.Value, list[Projection]] | str:
+    """The value the mlp's input projections read (ln2's output) and those projections (W_gate and W_up, or W_fc), the
+    sites an input fix (Fix.w_in, b_in) folds into; or one line saying why there are none to fold into (MatMulNBits
+    weights, which an input fix would have to requantize, or a graph shape the passes do not read)."""
+    try:
+        source = values[block_norms(model, block, values)[1].output]
+        found = reading(source, block.layer)
+    except SurgeryError as e:
+        return str(e)
+    if not found:
+        return f"block {block.layer}: no projection reads ln2's output {source.name!r}"
+    return source, found
 
 
 def quantized_node(out: ir.Value) -> ir.Node | None:
