@@ -1,11 +1,13 @@
 """Blocks kept under a KL budget, and what each kind of fix costs: SmolLM2-135M, --layers auto by method and --max-kl.
 
-    python benchmarks/kl_budget.py [--budgets 0.02,0.05,0.1] [--methods plain,compensated,refit,drift]
+    python benchmarks/kl_budget.py [--budgets 0.02,0.05,0.1] [--methods plain,outputs,compensated,refit,drift]
                                    [--fit-windows 64] [--windows 16]
                                    [--max-loss-increase none] [--png benchmarks/kl_vs_blocks.png]
 
-Methods: plain (no fix, ranked by C_l^stream), compensated (the default: fix fitted to each block's own defect on
-the unmodified stream, ranked by C_l^comp), refit (--refit: the chosen blocks' fixes fitted again with all of them
+Methods: plain (no fix, ranked by C_l^stream), outputs (the fix's output side alone, fitted to each block's own
+defect on the unmodified stream, ranked by C_l^comp: `--no-input-fix`), compensated (the default: the mlp's input
+side first, ln2(resid_pre) (I + W_in) + b_in fitted to ln2(resid_mid), then the output side on the input-fixed
+block's defect), refit (--refit: the chosen blocks' fixes fitted again with all of them
 in place), drift (the compensated selection, then each chosen block's fix refitted in layer order on the stream of
 the model whose earlier chosen blocks are already rewritten, aiming at the original model's resid_post: the
 drift-correcting fit of compensation.fit(drift=...), one fit pass per block).
@@ -27,13 +29,13 @@ from surgery import compensation, data, evaluate, graph
 from surgery.layers import format_layers
 from surgery.select import PATIENCE, Budget, rewrite, select_layers
 
-FITS = {"plain": None, "compensated": "full", "refit": "full", "drift": "full"}
+FITS = {"plain": None, "outputs": "full", "compensated": "full", "refit": "full", "drift": "full"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budgets", default="0.02,0.05,0.1")
-    parser.add_argument("--methods", default="plain,compensated,refit,drift")
+    parser.add_argument("--methods", default="plain,outputs,compensated,refit,drift")
     parser.add_argument("--max-loss-increase", default="none", help="the dNLL limit beside the KL one (none: KL alone)")
     parser.add_argument("--png", default=None)
     parser.add_argument("--fit-windows", type=int, default=64)
@@ -52,7 +54,7 @@ def main() -> None:
     for method in args.methods.split(","):
         for budget in budgets:
             start = time.perf_counter()
-            s = select_layers(model, sel, fit_windows=fit_windows, fit=FITS[method], refit=method == "refit",
+            s = select_layers(model, sel, fit_windows=fit_windows, fit=FITS[method], refit=method == "refit", input_side=method != "outputs",
                               budget=Budget.parse(budget, args.max_loss_increase), patience=PATIENCE)
             fixes = s.fixes
             if method == "drift" and fixes:

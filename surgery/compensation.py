@@ -1,9 +1,17 @@
 """The compensation fit: a ridge least-squares fix of each block's sequential-to-parallel defect.
 
-For a sequential block, A = attn_out, P = mlp(ln2(resid_pre)) and delta = mlp(ln2(resid_mid)) - P
-on calibration tokens. Fit delta ~ A w_a + P w_p + b, i.e. delta ~ z W with z = [A, P, 1]:
+The input side first (where the mlp's input projections are plain float ones): with u = ln2(resid_pre) and
+v = ln2(resid_mid) as the mlp's input projections read them, fit v - u ~ [u, 1] W_in, so the parallel block's mlp
+reads u' = u (I + w_in) + b_in, a linear prediction of the input it had in the sequential block (folded into
+W_gate and W_up: no extra op). Then the output side: A = attn_out, P = mlp(u') (mlp(u) without an input side) and
+delta = mlp(ln2(resid_mid)) - P on calibration tokens. Fit delta ~ A w_a + P w_p + b, i.e. delta ~ z W with
+z = [A, P, 1]:
 
     W = (Z'Z + ridge * diag(Z'Z))^-1 Z'delta        (float64)
+
+The output side alone keeps the paper's mlp, evaluated where the parallel block can evaluate it; the input side
+moves it most of the way back to where the sequential block evaluated it (on SmolLM2-135M the linear prediction
+leaves 15-66 % of |v - u|^2 held out), and the output side fixes what is left.
 
 The normal equations are accumulated in one streamed pass of the switchboard graph with fit taps,
 so any set of already chosen blocks can be in place (switched on) while fitting others: the
@@ -12,9 +20,10 @@ fold 0 leaves the least defect energy on fold 1, and the final fit uses both fol
 reports the held-out residual fraction E|delta - fit|^2 / E|delta|^2 (fold 1, fold-0 fit) and the
 one-pass score C_l^comp = E|delta - fit|^2 / E|y|^2.
 
-Memory: each layer's sums take 2 (2d + 1)(3d + 1) doubles: 32 MB at d_model 576, 1.6 GB at 4096.
-Layers are fitted in chunks that stay within `memory_bytes` (one pass over the windows per chunk,
-at least one layer per chunk), so the bound is max(memory_bytes, one layer's sums). A pass runs only
+Memory: each layer's sums take 2 (2d + 1)(3d + 1) doubles: 32 MB at d_model 576, 1.6 GB at 4096 (the input
+side's, 2 (d + 1)(2d + 1), are freed before them). Layers are fitted in chunks that stay within `memory_bytes` (two
+passes over the windows per chunk, the input side's and the output side's, or one without an input side; at least
+one layer per chunk), so the bound is max(memory_bytes, one layer's sums). A pass runs only
 its own blocks: it starts from the stream into its first block that the pass before handed on (one
 [tokens, d_model] float32 array per window) and stops after its last block, so the passes together cost
 one forward pass over the windows however many there are. On Ray (`pool`) each actor sums one contiguous
@@ -95,16 +104,52 @@ class FitResult:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fix"}
 
 
-class NormalEquations:
+class _Sums:
+    """One block's running sums of a ridge least squares target ~ z W (z's last column 1), per fold, in float64."""
+
+    def __init__(self, k: int, d_model: int):
+        self.zz = np.zeros((2, k, k))
+        self.zd = np.zeros((2, k, d_model))
+        self.dd = np.zeros(2)  # sum |target|^2
+        self.tokens = np.zeros(2, dtype=np.int64)
+
+    def _accumulate(self, fold: int, z: np.ndarray, target: np.ndarray, weight: np.ndarray | None) -> np.ndarray | float:
+        """Add z'z, z'target and |target|^2 to the fold's sums, products in z's precision; weight [tokens]: each token's
+        terms weighed by it (rows scaled by its root). Returns the weights as a column, or 1.0."""
+        w = 1.0
+        energy = target.astype(np.float64) ** 2
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
+            if weight is not None:
+                w = weight.astype(np.float64)[:, None]
+                root = np.sqrt(w).astype(z.dtype)
+                z, target = z * root, target * root
+            self.zz[fold] += z.T @ z
+            self.zd[fold] += z.T @ target
+        self.dd[fold] += float(np.sum(w * energy))
+        self.tokens[fold] += len(z)
+        return w
+
+    def add(self, other: "_Sums") -> None:
+        """Add another's sums (of other windows) to these."""
+        for mine, theirs in ((self.zz, other.zz), (self.zd, other.zd), (self.dd, other.dd), (self.tokens, other.tokens)):
+            mine += theirs
+
+    def _finite(self) -> bool:
+        return all(np.isfinite(a).all() for a in (self.zz, self.zd, self.dd))
+
+    def _fit(self, ridges) -> tuple[float, float, np.ndarray]:
+        """The ridge whose fold-0 fit leaves the least target energy on fold 1, that energy, and the fit on both folds
+        with it; LinAlgError when no ridge gives a finite fit."""
+        ridge, left = _choose_ridge(self.zz[0], self.zd[0], self.zz[1], self.zd[1], self.dd[1], ridges)
+        return ridge, left, _ridge_solve(self.zz.sum(0), self.zd.sum(0), ridge)
+
+
+class NormalEquations(_Sums):
     """One block's running sums for delta ~ [A, P, 1] W, per fold, in float64."""
 
     def __init__(self, d_model: int):
-        k = 2 * d_model + 1
-        self.zz = np.zeros((2, k, k))
-        self.zd = np.zeros((2, k, d_model))
-        self.dd = np.zeros(2)  # sum |delta|^2
+        super().__init__(2 * d_model + 1, d_model)
         self.yy = np.zeros(2)  # sum |resid_post|^2
-        self.tokens = np.zeros(2, dtype=np.int64)
         self.grams: dict[str, np.ndarray] = {}  # INPUT_TAPS -> sum x x' over both folds (quantized W_o, W_down)
 
     @staticmethod
@@ -130,25 +175,14 @@ class NormalEquations:
         (at least float32, what ORT computed them in) and added to the float64 sums, so the sums carry no
         error the activations do not already have. weight: [tokens], a weighted least squares (every sum,
         |delta|^2 and |resid_post|^2 too, weighs each token's terms by it); None: 1."""
-        n = len(delta)
         dtype = np.result_type(attn_out, mlp_x, delta, np.float32)
-        z = np.concatenate([attn_out, mlp_x, np.ones((n, 1))], axis=1, dtype=dtype)
-        target, w = delta.astype(dtype), 1.0
-        with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
-            if weight is not None:  # rows scaled by sqrt(weight): the weighted products
-                w = weight.astype(np.float64)[:, None]
-                root = np.sqrt(w).astype(dtype)
-                z, target = z * root, target * root
-            self.zz[fold] += z.T @ z
-            self.zd[fold] += z.T @ target
-        self.dd[fold] += float(np.sum(w * delta.astype(np.float64) ** 2))
+        z = np.concatenate([attn_out, mlp_x, np.ones((len(delta), 1))], axis=1, dtype=dtype)
+        w = self._accumulate(fold, z, delta.astype(dtype), weight)
         self.yy[fold] += float(np.sum(w * resid_post.astype(np.float64) ** 2))
-        self.tokens[fold] += n
 
     def add(self, other: "NormalEquations") -> None:
-        """Add another's sums (of other windows) to these."""
-        for mine, theirs in ((self.zz, other.zz), (self.zd, other.zd), (self.dd, other.dd), (self.yy, other.yy), (self.tokens, other.tokens)):
-            mine += theirs
+        super().add(other)
+        self.yy += other.yy
         for name, gram in other.grams.items():
             self.grams[name] = self.grams[name] + gram if name in self.grams else gram.copy()
 
@@ -174,7 +208,7 @@ class NormalEquations:
         failed = lambda why: FitResult(layer, None, None, None, None, tokens, why, scores)  # noqa: E731
         if self.tokens.min() == 0:
             return failed("too few windows to hold one fold out; give more fit windows")
-        if not all(np.isfinite(a).all() for a in (self.zz, self.zd, self.dd, self.yy)):
+        if not (self._finite() and np.isfinite(self.yy).all()):
             return failed("non-finite activations in the fit windows; the block stays plain parallel")
         if kind == "gate":
             (pp0, pd0, _), (pp1, pd1, dd1) = self._traces(0), self._traces(1)
@@ -183,8 +217,7 @@ class NormalEquations:
             fix, ridge = Fix.gate(scores["alpha"]), None
         else:
             try:
-                ridge, left = _choose_ridge(self.zz[0], self.zd[0], self.zz[1], self.zd[1], self.dd[1], ridges)
-                weights = _ridge_solve(self.zz.sum(0), self.zd.sum(0), ridge)
+                ridge, left, weights = self._fit(ridges)
             except np.linalg.LinAlgError as e:
                 return failed(f"ill-conditioned ({e}); the block stays plain parallel")
             if not np.isfinite(weights).all():
@@ -194,47 +227,29 @@ class NormalEquations:
         return FitResult(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), tokens, "", scores)
 
 
-class InputEquations:
+class InputEquations(_Sums):
     """One block's running sums for the input side, v - u ~ [u, 1] W with u = ln2(resid_pre) and v = ln2(resid_mid) as
     the mlp's input projections read them, per fold, in float64: Fix.w_in and b_in, so that the parallel block's mlp
     reads a linear prediction of its sequential input."""
 
     def __init__(self, d_model: int):
-        k = d_model + 1
-        self.zz = np.zeros((2, k, k))
-        self.zd = np.zeros((2, k, d_model))
-        self.dd = np.zeros(2)  # sum |v - u|^2
-        self.tokens = np.zeros(2, dtype=np.int64)
+        super().__init__(d_model + 1, d_model)
 
     def update(self, fold: int, u: np.ndarray, v: np.ndarray, weight: np.ndarray | None = None) -> None:
         """Add tokens ([tokens, d_model] each), products in the activations' precision (at least float32); weight:
         [tokens], a weighted least squares as in NormalEquations.update."""
         dtype = np.result_type(u, v, np.float32)
         z = np.concatenate([u, np.ones((len(u), 1))], axis=1, dtype=dtype)
-        target = v.astype(dtype) - u.astype(dtype)
-        energy = target.astype(np.float64) ** 2
-        with np.errstate(invalid="ignore", over="ignore"):  # non-finite activations are refused in solve()
-            if weight is not None:
-                root = np.sqrt(weight.astype(np.float64))[:, None]
-                z, target, energy = z * root.astype(dtype), target * root.astype(dtype), energy * root**2
-            self.zz[fold] += z.T @ z
-            self.zd[fold] += z.T @ target
-        self.dd[fold] += float(np.sum(energy))
-        self.tokens[fold] += len(u)
-
-    def add(self, other: "InputEquations") -> None:
-        for mine, theirs in ((self.zz, other.zz), (self.zd, other.zd), (self.dd, other.dd), (self.tokens, other.tokens)):
-            mine += theirs
+        self._accumulate(fold, z, v.astype(dtype) - u.astype(dtype), weight)
 
     def solve(self, ridges=RIDGES) -> tuple[Fix, float] | None:
         """The input side (a Fix with w_in and b_in only) and its held-out residual fraction, the ridge chosen as
         NormalEquations.solve chooses it; None when it cannot be fitted (too few windows, not finite)."""
         d = self.zd.shape[2]
-        if self.tokens.min() == 0 or not all(np.isfinite(a).all() for a in (self.zz, self.zd, self.dd)):
+        if self.tokens.min() == 0 or not self._finite():
             return None
         try:
-            ridge, left = _choose_ridge(self.zz[0], self.zd[0], self.zz[1], self.zd[1], self.dd[1], ridges)
-            weights = _ridge_solve(self.zz.sum(0), self.zd.sum(0), ridge)
+            _, left, weights = self._fit(ridges)
         except np.linalg.LinAlgError:
             return None
         if not np.isfinite(weights).all():

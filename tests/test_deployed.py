@@ -206,6 +206,10 @@ def test_fuse_and_compensate_match_the_hooked_hf_model(deployed):
     fix = (0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d))
     expected = edited_logits(deployed.torch, IDS, parallel={1}, fixes={1: fix})
     np.testing.assert_allclose(logits(compensate(deployed.onnx, {1: Fix(*fix)}).model), expected, rtol=TOL, atol=TOL)
+    sides = (0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d))  # and an mlp input side, into W_gate / W_up
+    expected = edited_logits(deployed.torch, IDS, parallel={1}, fixes={1: fix + sides})
+    np.testing.assert_allclose(logits(compensate(deployed.onnx, {1: Fix(*fix, w_in=sides[0], b_in=sides[1])}).model), expected, rtol=TOL, atol=TOL)
+    assert np.abs(logits(compensate(deployed.onnx, {1: Fix(*fix)}).model) - expected).max() > 10 * TOL
     fused = fuse(deployed.onnx, {0, 1, 2}).model
     np.testing.assert_allclose(logits(fused), edited_logits(deployed.torch, IDS, parallel={0, 1, 2}), rtol=TOL, atol=TOL)
 

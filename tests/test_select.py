@@ -338,8 +338,9 @@ def test_fit_memory_sets_the_passes_and_the_fit_reports_its_time_split(fixture_p
     one_layer = compensation.NormalEquations.nbytes(compensation.embedding_table(model)[1])
     tight = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory=one_layer)
     loose = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory="1G")
-    assert (tight.fit_passes, loose.fit_passes) == (3, 1)
-    assert tight.layers == loose.layers and tight.c_comp == pytest.approx(loose.c_comp, rel=1e-9)
+    assert (tight.fit_passes, loose.fit_passes) == (6, 2)  # each chunk: the input side's pass and the output side's
+    # ORT fuses the graphs of one and of three blocks differently: float32 activations a few ulps apart
+    assert tight.layers == loose.layers and tight.c_comp == pytest.approx(loose.c_comp, rel=1e-5)
     for bad in ("lots", "0", "-1G"):
         result = runner.invoke(app, ["parallelize", str(path), "--fit-memory", bad, "-o", str(tmp_path / "out")])
         assert result.exit_code == 1 and result.stderr.strip().startswith("error:") and "--fit-memory" in result.stderr
