@@ -6,9 +6,9 @@ The fixes of the union of the sets, fitted as `surgery parallelize` fits them (i
 selection windows from the calibration part): the output side alone (`--no-input-fix`, the fix before it) and the
 input side first, then the output side on the input-fixed block's defect (the default). Every set is scored with
 both against the original: KL [95 % CI], top-1 agreement and dNLL [95 % CI] on the selection windows, on the
-*tuning* windows (calibration windows 80.. of the part's 107, which neither the main job nor this fit uses), and on
-the first N windows of the evaluation part (8: the main job's held-out report; 64: eight segments of the corpus
-where 8 are one). Also each layer's held-out residual fractions and C_l^comp with and without the input side.
+*tuning* windows (the 27 calibration windows of the part's 107 that the main job's 80, evenly spaced, leave out),
+and on N windows of the evaluation part, evenly spaced (8: the main job's held-out report; 64: eight times the
+tokens). Also each layer's held-out residual fractions and C_l^comp with and without the input side.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ def main() -> None:
     model = graph.load(folder)
     sets = [sorted(parse_layers(s, 30)) for s in args.sets.split(";")]
     layers = sorted(set().union(*sets))
-    cal = data.windows(folder, seq_len=256, max_windows=107, part="calibration")
-    fit_windows, selection = data.deal(cal.take(range(80)), [64, 16], ["fit", "selection"])
-    scored = {"selection": selection, "tuning": cal.take(range(80, len(cal)), "tuning")}
+    every = data.windows(folder, seq_len=256, part="calibration")
+    cal = data.windows(folder, seq_len=256, max_windows=80, part="calibration")  # as the main job takes them (evenly spaced)
+    fit_windows, selection = data.deal(cal, [64, 16], ["fit", "selection"])
+    spare = [i for i, start in enumerate(every.starts) if start not in set(cal.starts)]
+    scored = {"selection": selection, "tuning": every.take(spare, "tuning")}
     for n in (int(k) for k in args.eval_windows.split(",")):
         scored[f"evaluation {n}"] = data.windows(folder, seq_len=256, max_windows=n, part="evaluation")
     fixes = {}

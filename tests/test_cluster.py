@@ -102,7 +102,7 @@ def _fit_numbers(fits: dict) -> dict:
     out = {}
     for layer, r in fits.items():
         out[layer] = [r.ridge, r.residual, r.c_comp, *r.scores.values()]
-        out[layer] += [np.asarray(part, np.float64) for part in (r.fix.w_a, r.fix.w_p, r.fix.b)]
+        out[layer] += [np.asarray(part, np.float64) for part in (r.fix.w_a, r.fix.w_p, r.fix.b, r.fix.w_in, r.fix.b_in)]
     return out
 
 
@@ -120,16 +120,17 @@ def test_fit_on_a_local_2_cpu_ray_cluster_equals_the_in_process_fit(fixture_path
     kept_here, kept_there = {}, {}
     here = compensation.fit(model, windows, memory_bytes=bound, keep_stream=kept_here)
     with cluster.pool(workers=2) as pool:
-        assert (pool.copies, compensation.passes(model, memory_bytes=bound, pool=pool), compensation.passes(model, memory_bytes=bound)) == (3, 3, 1)
+        # each chunk: the input side's pass and the output side's
+        assert (pool.copies, compensation.passes(model, memory_bytes=bound, pool=pool), compensation.passes(model, memory_bytes=bound)) == (3, 6, 2)
         done = []
         there = compensation.fit(model, windows, memory_bytes=bound, pool=pool, keep_stream=kept_there,
                                  progress=lambda d, t: done.append((d, t)))
-    assert done[-1] == (3 * len(windows), 3 * len(windows))
+    assert done[-1] == (6 * len(windows), 6 * len(windows))
     a, b = _fit_numbers(here), _fit_numbers(there)
     assert a.keys() == b.keys() == {0, 1, 2}
-    for layer in a:
+    for layer in a:  # one graph here, three there: ORT fuses their ln2 copies differently, a few float32 ulps apart
         for x, y in zip(a[layer], b[layer]):
-            np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-12, err_msg=f"block {layer}")
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5 * np.abs(x).max(), err_msg=f"block {layer}")
     for layer in kept_here:  # each window's stream, in window order
         assert len(kept_there[layer]) == len(windows)
         for x, y in zip(kept_here[layer], kept_there[layer]):
