@@ -10,8 +10,9 @@ z = [A, P, 1]:
     W = (Z'Z + ridge * diag(Z'Z))^-1 Z'delta        (float64)
 
 The output side alone keeps the paper's mlp, evaluated where the parallel block can evaluate it; the input side
-moves it most of the way back to where the sequential block evaluated it (on SmolLM2-135M the linear prediction
-leaves 15-66 % of |v - u|^2 held out), and the output side fixes what is left.
+moves it most of the way back to where the sequential block evaluated it (on SmolLM2-135M's blocks 5-7 and 21-29
+the linear prediction leaves 15-66 % of |v - u|^2 held out: benchmarks/input_side.py), and the output side fixes
+what is left.
 
 The normal equations are accumulated in one streamed pass of the switchboard graph with fit taps,
 so any set of already chosen blocks can be in place (switched on) while fitting others: the
@@ -88,7 +89,7 @@ class FitResult:
     layer: int
     fix: Fix | None
     ridge: float | None
-    residual: float | None  # held-out E|delta - fit|^2 / E|delta|^2
+    residual: float | None  # held-out E|delta - fit|^2 / E|delta|^2 (delta: the input-fixed block's defect, with an input side)
     c_comp: float | None  # held-out E|delta - fit|^2 / E|y|^2
     tokens: int
     note: str = ""
