@@ -11,8 +11,8 @@ is folded into the mlp's input projections too, W <- (I + w_in) W, b <- b + b_in
 and b_in is given), so the mlp reads ln2(resid_pre) (I + w_in) + b_in at no extra cost. Products are taken in
 float64 and rounded once to each weight's own type (an fp16 graph stays fp16); MatMulNBits weights are requantized on
 the node's own scales and zero points (the fit's error-aware codes in Fix.packed, else rounded to nearest: surgery.nbits).
-New weights are new initializers: an external data file is never modified, and only the two projections of each chosen
-block are read.
+New weights are new initializers: an external data file is never modified, and only the projections of each chosen
+block that its fix folds into are read.
 """
 
 from __future__ import annotations
@@ -127,9 +127,10 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
 
 def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
     """In a switchboard: block `layer` gets board.fixes[layer] while `on` (switch "parallelize" on too for the
-    compensated parallel block). W_o, W_down and their biases become Where(on, folded, original), folded as
-    `compensate` writes them; with board.fix_after_branch the fix is added after the branch instead,
-    attn_out w_a + mlp_out w_p + b, so what reads attn_out and mlp_out sees them unfixed."""
+    compensated parallel block). W_o, W_down and their biases, and with an input side the mlp's input projections,
+    become Where(on, folded, original), folded as `compensate` writes them; with board.fix_after_branch the output side
+    is added after the branch instead, attn_out w_a + mlp_out w_p + b, so what reads attn_out and mlp_out sees them
+    unfixed, and the input side computed by explicit ops that the mlp's input projections read while on."""
     fix = board.fixes.get(block.layer)
     if fix is None or block.is_parallel:
         return
