@@ -81,7 +81,11 @@ QUANTIZED_OP = {"dynamic": "MatMulInteger", "dynamic-fused": "DynamicQuantizeMat
 @pytest.mark.parametrize("family,mlp", [("llama", "gated"), ("gpt2", "plain"), ("gpt_neox_parallel", "plain")])
 def test_an_int8_quantized_mlp_keeps_its_kind(fixture_path, tmp_path, family, mlp, how):
     """The mlp kind reads through quantizers: act(gate) * up is gated with its projections in int8."""
-    path = _quantized(fixture_path(family) / "model.onnx", tmp_path / "int8", how)
+    import shutil
+
+    source = tmp_path / "fp32.onnx"  # a copy: the quantizer writes model-inferred.onnx beside its input, which two
+    shutil.copy2(fixture_path(family) / "model.onnx", source)  # workers quantizing the shared fixture would race for
+    path = _quantized(source, tmp_path / "int8", how)
     model = graph.load(path)
     assert QUANTIZED_OP[how] in {n.op_type for n in model.graph}
     blocks = find_blocks(model)
