@@ -589,16 +589,14 @@ def fit(
 
     def run_pass(graph: ir.Model, chunk: list[int], streams, stage: str) -> tuple[dict, list[np.ndarray]]:
         """One pass of `graph` over the windows: the chunk's sums, added in window order, and the streams handed on."""
-        outputs = stage == "outputs"
-        if pool.distributed:  # one contiguous run of windows per actor
+        if pool.distributed:  # one contiguous run of windows per actor (the input side's run ignores drift and keep)
             actors = pool.actors(graph, functools.partial(Accumulator, options=pool.options(options)))
             jobs = [(chunk, windows.ids[a:b], a, switches, state, None if streams is None else streams[a:b],
-                     None if drift is None or not outputs else {l: drift[l][a:b] for l in chunk}, keep and outputs, None,
+                     None if drift is None else {l: drift[l][a:b] for l in chunk}, keep, None,
                      None if token_weights is None else token_weights[a:b], stage) for a, b in runs]
             parts = actors.map("run", jobs)
         else:
-            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift if outputs else None,
-                                                     keep and outputs, tick, token_weights, stage)]
+            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift, keep, tick, token_weights, stage)]
         sums: dict[int, NormalEquations | InputEquations] = {}
         handed: list[np.ndarray] = []
         for (a, b), (part, stream, kept, part_clock) in zip(runs, parts):  # in window order (in process: one run, all windows)
