@@ -266,7 +266,8 @@ def parallelize(
         ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
         ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} of {sel.candidates} candidates tried, "
                       f"{len(sel.trials)} trials, {len(sel.layers)} kept" + (f"; stopped: {sel.stopped}" if sel.stopped else "")),
-        ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''})"),
+        ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''}"
+                           f"{_resumed(sel)})"),
         ("budget", f"{budget} nats on the selection windows' point estimates" if budget.max_kl is not None or budget.max_loss_increase is not None
                    else "none (--max-kl none, --max-loss-increase none)"),
     ]
@@ -397,7 +398,7 @@ def diagnose(
     only: Annotated[str, typer.Option(help="Comma-separated subset of deficit,diversity,defect,gate,critical,prefix,ablation.")] = "all",
     data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl file; the built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
-    windows: Annotated[int, typer.Option(help="Calibration windows for the scores.")] = 4,
+    windows: Annotated[int, typer.Option(help="Calibration windows for the scores and the fix behind C_comp (which needs 2 or more).")] = 4,
     eval_windows: Annotated[int, typer.Option(help="Evaluation windows for the losses (dNLL, ablations).")] = 4,
     critical_seeds: Annotated[int, typer.Option(help="Data seeds per layer for the critical-point search.")] = 4,
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
@@ -446,6 +447,12 @@ def diagnose(
         table.add_row(key, escape(str(value)))
     out.print(table)
     out.print(f"report -> {folder / 'report.html'}", highlight=False)
+
+
+def _resumed(sel) -> str:
+    """How much of the selection's passes resumed trials saved, when they did: `; trials resumed, 43 % of the blocks run`."""
+    whole = sel.forward_passes * (len(sel.c) or 1)
+    return f"; trials resumed, {100 * sel.blocks_run / whole:.0f} % of the blocks run" if 0 < sel.blocks_run < whole else ""
 
 
 def _short_names(paths: list[Path]) -> list[str]:

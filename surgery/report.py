@@ -33,12 +33,9 @@ def summary(report: dict) -> dict:
     if "diversity" in report:
         out["mean_d_attn"] = _mean(report["diversity"]["d_attn"])
         out["mean_d_mlp"] = _mean(report["diversity"]["d_mlp"])
-    if "defect" in report and "spearman" in report["defect"]:
-        out["spearman_c"] = report["defect"]["spearman"]["c"]
-        out["spearman_c_stream"] = report["defect"]["spearman"]["c_stream"]
-    if "defect" in report and "spearman_kl" in report["defect"]:
-        out["spearman_kl_c"] = report["defect"]["spearman_kl"]["c"]
-        out["spearman_kl_c_stream"] = report["defect"]["spearman_kl"]["c_stream"]
+    for measure, prefix in (("spearman", "spearman_"), ("spearman_kl", "spearman_kl_")):
+        for score, value in report.get("defect", {}).get(measure, {}).items():  # c, c_stream (plain runs), c_comp (compensated runs)
+            out[prefix + score] = value
     if "ablation" in report:
         out["ablation_all_layers"] = report["ablation"]["all_layers"]
         if "all_layers_interval" in report["ablation"]:
@@ -64,6 +61,9 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
         if key in ("model", "ablation_all_layers", "ablation_all_layers_interval", "ablation_all_layers_keep_sink", "critical_counts"):
             continue
         lines.append(f"| {key} | {_fmt(value)} |")
+    notes = report.get("defect", {}).get("c_comp_note", {})
+    for why in dict.fromkeys(notes.values()):  # each reason once, with its blocks
+        lines += ["", f"No fix fitted (C_comp, compensated runs) at block(s) {', '.join(l for l, w in notes.items() if w == why)}: {why}."]
     if "ablation" in report:
         a = report["ablation"]
         kept = a.get("all_layers_keep_sink", {})
@@ -85,6 +85,11 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
                                                                   r["defect"].get("dnll_parallel_interval", [None] * n)[l])),
                ("KL parallel", lambda r, l: r["defect"].get("kl_parallel", [None] * n)[l]),
                ("top-1 parallel", lambda r, l: r["defect"].get("top1_parallel", [None] * n)[l]),
+               ("C_comp", lambda r, l: r["defect"].get("c_comp", [None] * n)[l]),
+               ("dNLL compensated [95 % CI]", lambda r, l: with_interval(r["defect"].get("dnll_compensated", [None] * n)[l],
+                                                                     r["defect"].get("dnll_compensated_interval", [None] * n)[l])),
+               ("KL compensated", lambda r, l: r["defect"].get("kl_compensated", [None] * n)[l]),
+               ("top-1 compensated", lambda r, l: r["defect"].get("top1_compensated", [None] * n)[l]),
                ("alpha", lambda r, l: r["gate"]["alpha"][l])]
     present = [(name, get) for name, get in columns if _has(report, get)]
     if present:
@@ -159,10 +164,14 @@ def _plots(report: dict, folder: Path) -> dict[str, str]:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         ax.plot(layers, _arr(report["defect"]["c"]), "o-", ms=3, label="C_l")
         ax.plot(layers, _arr(report["defect"]["c_stream"]), "s-", ms=3, label="C_l stream")
+        if "c_comp" in report["defect"]:
+            ax.plot(layers, _arr(report["defect"]["c_comp"]), "d-", ms=3, label="C_l comp")
         ax.set(xlabel="layer", ylabel="defect", yscale="log", title="Sequential-to-parallel defect")
         if "dnll_parallel" in report["defect"]:
             twin = ax.twinx()
             twin.plot(layers, _arr(report["defect"]["dnll_parallel"]), "k^:", ms=3, label="dNLL (this layer parallel)")
+            if "dnll_compensated" in report["defect"]:
+                twin.plot(layers, _arr(report["defect"]["dnll_compensated"]), "kv:", ms=3, label="dNLL (this layer compensated)")
             twin.set_ylabel("dNLL, nats")
             twin.legend(loc="upper right")
         ax.legend(loc="upper left")

@@ -25,9 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 from surgery import cluster, compensation, data, evaluate, graph, runtime
+from surgery.analysis import resumable
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.probe import defect_scores
 from surgery.blocks import find_blocks
@@ -35,7 +37,9 @@ from surgery.compensation import KINDS, FitResult
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
+from surgery.facts import embedding_table, stream_dtype
 from surgery.passes import Fix, compensate, fuse, parallelize
+from surgery.passes.common import narrower_than_float32
 from surgery.passes.fuse import refusal as fuse_refusal
 
 SCORES = ("c_comp", "c_stream", "c")
@@ -120,6 +124,7 @@ class Selection:
     stopped: str | None = None  # why the greedy stopped before the last candidate
     fit_memory: int | None = None  # the bytes one fit pass's normal equations could take (--fit-memory)
     requantize: str | None = None  # how chosen compensated MatMulNBits blocks' codes were chosen (None: none is chosen)
+    blocks_run: int = 0  # blocks the forward passes ran (a resumed trial runs the blocks from its start on; the rest all)
 
     @property
     def uncompensated(self) -> dict[int, str]:
@@ -158,6 +163,7 @@ class Selection:
             "candidates": self.candidates, "stopped": self.stopped, "refit": self.refit,
             "uncompensated": {str(k): v for k, v in self.uncompensated.items()},
             "fit_passes": self.fit_passes, "fit_memory": self.fit_memory, "fit_seconds": self.fit_seconds, "forward_passes": self.forward_passes,
+            "blocks_run": self.blocks_run,
             "requantize": self.requantize,
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
@@ -165,10 +171,86 @@ class Selection:
 
 BATCH = 4  # selection windows scored together: one job for a Ray actor
 PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
+KEEP_BYTES = 1 << 30  # the streams a resumed selection keeps (checkpoints): at most this, or an eighth of the available memory
 
 
-def _scorers(pool: cluster.Pool, board: ir.Model, options: runtime.Options):
-    return pool.actors(board, functools.partial(evaluate.Scorer, options=pool.options(options), compare=True))
+class TrialScorer(evaluate.Scorer):
+    """A switchboard's scoring session (here or on a Ray actor) that runs one batch of selection windows at a time."""
+
+    def run(self, windows: Windows, extra: dict, reference=None) -> tuple[evaluate.Perplexity, dict | None, list | None]:
+        """The batch's score (KL and top-1 against `reference`, when given); the streams it keeps; without a reference,
+        its own log-probs (the original's Reference of the batch)."""
+        kept, record = ({} if self.keep else None), ([] if reference is None else None)
+        scored = self(windows, batch_size=len(windows), extra=extra, kept=kept, reference=None if reference is None else [reference], record=record)
+        return scored, kept, record
+
+
+class Trials:
+    """The selection's trials: the switchboard of KINDS with the fixes in one scoring session, each trial the whole
+    chosen set against the original on the selection windows, in batches of BATCH.
+
+    Resumed (in this process, float32 or wider, when the graph allows: resumable.resumable): the session keeps the
+    residual stream of the set accepted so far at checkpoint blocks (the candidates' blocks, as many as KEEP_BYTES
+    holds), and a trial that adds block l to it starts at the last checkpoint <= l, from that stream, since no block
+    before l differs from the accepted set's. A trial then costs the blocks from there on and the logits."""
+
+    def __init__(self, model: ir.Model, fixes: dict[int, Fix], windows: Windows, candidates: list[int], pool: cluster.Pool,
+                 options: runtime.Options, baseline: "Trials | None" = None):
+        """baseline: Trials of the same model and windows whose unchanged run to reuse (no resumed trials then)."""
+        self.n = len(find_blocks(model))
+        board = board_graph.switchboard(model, KINDS, fixes)
+        resume = None
+        if baseline is None and not pool.distributed and not narrower_than_float32(stream_dtype(model).numpy()):
+            resume = resumable.resumable(board, find_blocks(model))
+        self.batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
+        self.resume, self.checkpoints = resume, ()
+        if resume is not None:
+            per_block = windows.ids.size * stream_dtype(model).numpy().itemsize * embedding_table(model)[1]
+            room = max(1, min(KEEP_BYTES, (compensation.available_memory() or KEEP_BYTES * 8) // 8) // max(per_block, 1))
+            layers = sorted({l for l in candidates if 0 < l < self.n})
+            picks = np.unique(np.linspace(0, len(layers) - 1, min(room, len(layers))).round().astype(int)) if layers else []
+            self.checkpoints = tuple(layers[i] for i in picks)
+        keep = tuple(resume.resid_post[c - 1] for c in self.checkpoints) if resume else ()
+        make = functools.partial(TrialScorer, options=pool.options(options), compare=True, keep=keep)
+        self.scorers = pool.actors(resume.model if resume else board, make)
+        self.passes, self.blocks_run = 0, 0
+        self.streams: list[dict] = [{} for _ in self.batches]  # per batch: the accepted set's stream at each checkpoint
+        self.base, self.reference = (baseline.base, baseline.reference) if baseline else self._baseline()
+
+    def _baseline(self) -> tuple[evaluate.Perplexity, list]:
+        parts = list(self.scorers.map("run", [(batch, self._extra({}, 0, b)) for b, batch in enumerate(self.batches)]))
+        self.passes, self.blocks_run = 1, self.n
+        self.streams = [kept or {} for _, kept, _ in parts]
+        reference = [self.scorers.share(r) for _, _, refs in parts for r in refs]  # [BATCH, seq, vocab] float32, sent to Ray actors once
+        return evaluate.joined([p for p, _, _ in parts]), reference
+
+    def _extra(self, on: dict, start: int, batch: int) -> dict:
+        extra = {board_graph.SWITCHES: board_graph.switches(KINDS, self.n, on)}
+        return extra | self.resume.inputs(start, self.streams[batch]) if self.resume else extra
+
+    def start(self, layer: int) -> int:
+        """Where a trial adding `layer` to the accepted set starts: the last checkpoint at or before it, or block 0."""
+        return max((c for c in self.checkpoints if c <= layer), default=0)
+
+    def loss(self, forms: dict[int, str], new: int | None = None) -> tuple[Delta, evaluate.Divergence, dict]:
+        """dNLL and KL of the blocks in `forms` against the original; `new`: the one block `forms` adds to the accepted
+        set (None: run from block 0). Also what `accept` needs to make it the accepted set."""
+        start = 0 if new is None else self.start(new)
+        on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
+        jobs = [(batch, self._extra(on, start, b), ref) for b, (batch, ref) in enumerate(zip(self.batches, self.reference))]
+        parts = list(self.scorers.map("run", jobs))
+        self.passes += 1
+        self.blocks_run += self.n - start
+        p = evaluate.joined([part for part, _, _ in parts])
+        return evaluate.delta(self.base, p), evaluate.divergence(p), {"start": start, "kept": [kept for _, kept, _ in parts]}
+
+    def accept(self, trial: dict) -> None:
+        """Make a trial's set the accepted one: the streams at checkpoints after its start come from its run."""
+        if not self.resume:
+            return
+        later = {self.resume.resid_post[c - 1] for c in self.checkpoints if c > trial["start"]}
+        for streams, kept in zip(self.streams, trial["kept"]):
+            streams.update({name: kept[name] for name in later})
 
 
 def select_layers(
@@ -237,23 +319,8 @@ def select_layers(
     ]
     candidates.sort(key=lambda layer: rank[layer])
     fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-    scorers = _scorers(pool, board_graph.switchboard(model, KINDS, fixes), options)
-
-    batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
-    parts = list(scorers.map("recording", [(batch,) for batch in batches], batch_size=BATCH,
-                             extra={board_graph.SWITCHES: board_graph.switches(KINDS, n)}))
-    passes = 1
-    base = evaluate.joined([p for p, _ in parts])
-    reference = [scorers.share([r]) for _, refs in parts for r in refs]  # the original's log-probs on each batch: [BATCH, seq, vocab] float32, sent to Ray actors once
-
-    def loss(forms: dict[int, str], scorers=scorers) -> tuple[Delta, evaluate.Divergence]:
-        nonlocal passes
-        passes += 1
-        on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
-        extra = {board_graph.SWITCHES: board_graph.switches(KINDS, n, on)}
-        jobs = list(zip(batches, reference))
-        p = evaluate.joined(list(scorers.map("against", jobs, batch_size=BATCH, extra=extra)))
-        return evaluate.delta(base, p), evaluate.divergence(p)
+    runs = Trials(model, fixes, windows, candidates, pool, options)
+    base = runs.base
 
     chosen: dict[int, str] = {}
     trials: list[Trial] = []
@@ -268,16 +335,17 @@ def select_layers(
             break
         passing = []
         for form in _forms(layer, fits, try_both):
-            d, kl = loss({**chosen, layer: form})
+            d, kl, run = runs.loss({**chosen, layer: form}, new=layer)
             trials.append(Trial(layer, form, float(rank[layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1))
             if budget.holds(d, kl):
-                passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1))
+                passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1, run))
                 if not try_both:
                     break
         misses = 0 if passing else misses + 1
         if passing:
-            _, form, current, current_kl, index = min(passing, key=lambda p: p[0])
+            _, form, current, current_kl, index, run = min(passing, key=lambda p: p[0])
             chosen[layer] = form
+            runs.accept(run)
             trials[index] = dataclasses.replace(trials[index], kept=True)
         tell("greedy selection", i + 1, len(candidates))
     seconds["selection"] = time.perf_counter() - start
@@ -293,7 +361,7 @@ def select_layers(
                                  seconds=fit_seconds, progress=lambda d, t: tell("refit", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
-        d, kl = loss(chosen, _scorers(pool, board_graph.switchboard(model, KINDS, new_fixes), options))
+        d, kl, _ = Trials(model, new_fixes, windows, [], pool, options, baseline=runs).loss(chosen)
         kept = budget.cost(d, kl) < budget.cost(current, current_kl)
         refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(),
                         "kl_before": current_kl.to_json(), "kl_after": kl.to_json(), "kept": kept}
@@ -317,7 +385,8 @@ def select_layers(
         refit=refit_report,
         fit_passes=fit_passes,
         fit_seconds=fit_seconds,
-        forward_passes=passes,
+        forward_passes=runs.passes + (1 if refit_report else 0),
+        blocks_run=runs.blocks_run + (runs.n if refit_report else 0),
         seconds=seconds,
         candidates=len(candidates),
         stopped=stopped,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from surgery import data, evaluate, graph, runtime
+from surgery import compensation, data, evaluate, graph, runtime
 from surgery.analysis import field as field_graph
 from surgery.analysis import probe as probe_graph
 from surgery.analysis import resumable as resumable_graph
@@ -13,7 +13,8 @@ from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.diagnostics import diagnose, prefix
 from surgery.diagnostics.diagnose import _switch_losses
-from surgery.passes import ablate, parallelize
+from surgery.diagnostics.rank import spearman
+from surgery.passes import ablate, compensate, parallelize
 from surgery.passes.ablate import KEEP_SINK
 
 runner = CliRunner()
@@ -82,8 +83,12 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tiny_export):
 
 def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     path = fixture_path("llama")
-    report = diagnose(path, seq_len=32, windows=1, eval_windows=3, only=("defect", "ablation"))
+    report = diagnose(path, seq_len=32, windows=2, eval_windows=3, only=("defect", "ablation"))
     model = graph.load(path)
+    # the compensated single-layer runs: each block with the fix fitted on the calibration windows, alone
+    fits = compensation.fit(model, data.windows(path, seq_len=32, max_windows=2, part="calibration"))
+    assert report["defect"]["c_comp"] == pytest.approx([fits[layer].c_comp for layer in range(3)], rel=1e-6)
+    assert report["defect"]["c_comp_note"] == {}
     windows = data.windows(path, seq_len=32, max_windows=3, part="evaluation")
     base = evaluate.perplexity(model, windows).loss
     assert report["ablation"]["base_loss"] == pytest.approx(base, abs=1e-6)
@@ -95,6 +100,10 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
         expected = evaluate.perplexity(parallelize(model, {layer}).model, windows).loss - base
         assert report["defect"]["dnll_parallel"][layer] == pytest.approx(expected, abs=1e-5)
         assert (report["defect"]["kl_parallel"][layer], report["defect"]["top1_parallel"][layer]) == kl(parallelize(model, {layer}).model)
+        fixed = compensate(model, {layer: fits[layer].fix}).model
+        expected = evaluate.perplexity(fixed, windows).loss - base
+        assert report["defect"]["dnll_compensated"][layer] == pytest.approx(expected, abs=1e-5)
+        assert (report["defect"]["kl_compensated"][layer], report["defect"]["top1_compensated"][layer]) == kl(fixed)
         for branch in ("mlp", "attn"):
             got = report["ablation"]["per_layer"][branch]["radial"][layer]
             expected = evaluate.perplexity(ablate(model, branch, "radial", {layer}).model, windows).loss - base
@@ -104,7 +113,11 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     expected = evaluate.perplexity(ablate(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
     assert report["ablation"]["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
     assert report["ablation"]["all_layers_kl"]["mlp"]["tangential"] == kl(ablate(model, "mlp", "tangential", {0, 1, 2}).model)[0]
-    assert -1 <= report["defect"]["spearman_kl"]["c_stream"] <= 1
+    d = report["defect"]
+    for measure, runs in (("spearman", "dnll"), ("spearman_kl", "kl")):  # C_l and C_l^stream against plain runs, C_l^comp compensated ones
+        assert d[measure] == {"c": spearman(d["c"], d[f"{runs}_parallel"]), "c_stream": spearman(d["c_stream"], d[f"{runs}_parallel"]),
+                              "c_comp": spearman(d["c_comp"], d[f"{runs}_compensated"])}
+    assert d["kl_compensated"] != d["kl_parallel"]  # the fix changed something
     for branch, mode in (("mlp", "tangential"), ("attn", "radial")):  # the sink-kept column: position 0 keeps its output
         kept = evaluate.perplexity(ablate(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
         assert report["ablation"]["all_layers_keep_sink"][branch][mode] == pytest.approx(kept, abs=1e-5)
@@ -116,7 +129,8 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
         for m in modes:
             pairs += zip(report["ablation"]["per_layer"][b][m], report["ablation"]["per_layer_interval"][b][m])
             pairs.append((report["ablation"]["all_layers"][b][m], report["ablation"]["all_layers_interval"][b][m]))
-    assert len(pairs) == 3 + 2 * 3 * 4
+    pairs += zip(report["defect"]["dnll_compensated"], report["defect"]["dnll_compensated_interval"])
+    assert len(pairs) == 6 + 2 * 3 * 4
     for dnll, (low, high) in pairs:
         assert low - 1e-12 <= dnll <= high + 1e-12 and low < high
     scored = evaluate.perplexity(model, windows)

@@ -41,6 +41,33 @@ def test_greedy_selection_keeps_only_what_fits(fixture_path):
     assert protected.layers == (1,)
 
 
+def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
+    """A trial that adds block l starts at block l from the accepted set's stream; its KL, top-1 and dNLL are those
+    of the written graph of the whole set, scored from block 0, whatever was accepted before it."""
+    from surgery import cluster, compensation
+    from surgery.select import Trials
+
+    path = fixture_path("llama")
+    model = graph.load(path)
+    fit_windows, windows = data.deal(data.windows(path, seq_len=32, max_windows=10, part="calibration"), [4, 6], ["fit", "selection"])
+    fixes = {l: f.fix for l, f in compensation.fit(model, fit_windows).items()}
+    runs = Trials(model, fixes, windows, [2, 0, 1], cluster.Pool(), runtime.Options())
+    assert runs.resume is not None and runs.checkpoints == (1, 2) and len(runs.batches) == 2
+    accepted: dict[int, str] = {}
+    for layer, form in ((0, "compensated"), (2, "plain"), (1, "compensated")):  # the later ones start after an accepted change
+        forms = {**accepted, layer: form}
+        d, kl, run = runs.loss(forms, new=layer)
+        assert run["start"] == layer
+        written = rewrite(model, forms, fixes={l: fixes[l] for l, f in forms.items() if f == "compensated"}).model
+        base, after = evaluate.compare([model, written], windows)
+        expected = evaluate.divergence(after)
+        assert (kl.kl, kl.top1) == (pytest.approx(expected.kl, rel=1e-3), expected.top1), forms  # KLs of 1e-4: float32 ulps of the logits
+        assert d.dnll == pytest.approx(after.loss - base.loss, abs=1e-6), forms
+        runs.accept(run)
+        accepted = forms
+    assert (runs.passes, runs.blocks_run) == (4, 3 + 3 + 1 + 2)  # the baseline, then trials from blocks 0, 2 and 1
+
+
 def test_parallel_models_have_nothing_to_select(fixture_path):
     path = fixture_path("gpt_neox_parallel")
     windows = data.windows(path, seq_len=32, max_windows=2, part="calibration")

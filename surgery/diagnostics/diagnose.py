@@ -1,8 +1,9 @@
 """diagnose(): the paper's diagnostics of one exported model, from ONNX graphs on ONNX Runtime.
 
-Scores (deficit, diversity, defect, gate, critical points, prefix sensitivity) stream over the
-calibration windows; losses (single-layer parallel dNLL, the ablation protocol) use the disjoint
-evaluation windows. Nothing holds more than one window's activations.
+Scores (deficit, diversity, defect, gate, critical points, prefix sensitivity) and the compensation fit behind
+C_l^comp stream over the calibration windows; losses (single-layer parallel and compensated dNLL and KL, the
+ablation protocol) use the disjoint evaluation windows. Nothing holds more than one window's activations (the
+fit: one window's, and each layer's normal equations).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from surgery import __version__, cluster, data, evaluate, graph, runtime
+from surgery import __version__, cluster, compensation, data, evaluate, graph, runtime
 from surgery.analysis import field, probe, resumable, switchboard
 from surgery.blocks import find_blocks
 from surgery.defect import DefectStats
@@ -32,6 +33,9 @@ SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "abl
 ABLATION_MODES = ("tangential", "radial", "remove")
 SINK_MODES = ("tangential", "radial")  # also measured with position 0 keeping its branch output
 PARALLEL = ("parallelize",)  # the switchboard kind of the single-layer parallel runs
+COMPENSATED = ("compensate",)  # ... and of the single-layer compensated runs (with PARALLEL on at the same layer)
+SINGLE = (PARALLEL, COMPENSATED)  # kinds run one layer at a time only
+WITH = {COMPENSATED: (PARALLEL,)}  # kinds that need others on at the same layers
 
 
 def _edit(branch: str, mode: str, *options: str) -> tuple[str, ...]:
@@ -108,6 +112,16 @@ def _diagnose(
             report["critical"] = _critical(model, blocks, probed, critical_seeds, options, tell)
             report["seconds"]["critical"] = time.perf_counter() - start
 
+    fixes: dict = {}
+    if "defect" in only:
+        start = time.perf_counter()
+        fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=compensation.memory_bound(None),
+                                progress=lambda d, t: tell("compensation fit", d, t))
+        fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
+        report["defect"]["c_comp"] = [fits[l].c_comp if l in fixes else None for l in range(n)]
+        report["defect"]["c_comp_note"] = {str(l): f.note or "no fix" for l, f in sorted(fits.items()) if l not in fixes}
+        report["seconds"]["fit"] = time.perf_counter() - start
+
     if "prefix" in only:
         start = time.perf_counter()
         p = probe.probe(model, tensors=("resid_post",), twin=False)
@@ -127,26 +141,25 @@ def _diagnose(
         ev = data.windows(model_path, corpus, seq_len=seq_len, max_windows=eval_windows, part="evaluation", tokenizer=tokenizer)
         report["windows"]["evaluation"] = _describe(ev)
         sink_kinds = [_edit(b, m, KEEP_SINK) for b in ("mlp", "attn") for m in SINK_MODES] if "ablation" in only else []
-        kinds = ([PARALLEL] if "defect" in only else []) + (
+        kinds = ([PARALLEL, COMPENSATED] if "defect" in only else []) + (
             [_edit(b, m) for b in ("mlp", "attn") for m in ABLATION_MODES] if "ablation" in only else []
         ) + sink_kinds
-        losses = _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool)
+        losses = _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=fixes)
         intervals = losses["interval"]
         if "defect" in only:
-            dnll = [losses[PARALLEL][l] for l in range(n)]
-            kl = [losses["kl"][PARALLEL][l] for l in range(n)]
-            report["defect"].update(
-                {
-                    "base_loss": losses["base"],
-                    "dnll_parallel": dnll,
-                    "dnll_parallel_interval": [intervals[PARALLEL][l] for l in range(n)],
-                    "kl_parallel": kl,  # mean token KL(original || this layer parallel), nats
-                    "kl_parallel_interval": [losses["kl_interval"][PARALLEL][l] for l in range(n)],
-                    "top1_parallel": [losses["top1"][PARALLEL][l] for l in range(n)],
-                    "spearman": {k: spearman(report["defect"][k], dnll) for k in ("c", "c_stream")},
-                    "spearman_kl": {k: spearman(report["defect"][k], kl) for k in ("c", "c_stream")},
-                }
-            )
+            for name, kind in (("parallel", PARALLEL), ("compensated", COMPENSATED)):
+                report["defect"].update({
+                    f"dnll_{name}": [losses[kind][l] for l in range(n)],
+                    f"dnll_{name}_interval": [intervals[kind][l] for l in range(n)],
+                    f"kl_{name}": [losses["kl"][kind][l] for l in range(n)],  # mean token KL(original || this layer rewritten), nats
+                    f"kl_{name}_interval": [losses["kl_interval"][kind][l] for l in range(n)],
+                    f"top1_{name}": [losses["top1"][kind][l] for l in range(n)],
+                })
+            d = report["defect"]
+            # C_l and C_l^stream predict the plain parallel block's loss, C_l^comp the compensated one's
+            truth = {"c": "parallel", "c_stream": "parallel", "c_comp": "compensated"}
+            d["spearman"] = {k: spearman(d[k], d[f"dnll_{v}"]) for k, v in truth.items()}
+            d["spearman_kl"] = {k: spearman(d[k], d[f"kl_{v}"]) for k, v in truth.items()}
         if "ablation" in only:
             branches = ("mlp", "attn")
             report["ablation"] = {
@@ -278,10 +291,12 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
     return {"seeds": n_seeds, "layers": layers}
 
 
-def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset(), pool: cluster.Pool = cluster.Pool()) -> dict:
+def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset(), pool: cluster.Pool = cluster.Pool(),
+                   fixes: dict | None = None) -> dict:
     """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits;
-    kinds in all_only at all layers only): dNLL per kind and layer, and under "interval" its 95 % paired
-    bootstrap [low, high] over the windows.
+    kinds in all_only at all layers only, kinds in SINGLE at each layer only): dNLL per kind and layer, and under
+    "interval" its 95 % paired bootstrap [low, high] over the windows. A layer where a kind changes nothing (a parallel
+    block; COMPENSATED without a fix in `fixes`) gets None.
 
     Window by window: the run with every switch off keeps each block's resid_post, and a run with a kind on at
     block l alone starts there from block l - 1's (blocks < l would compute what that run did). In float16, or
@@ -291,11 +306,11 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     """
     n = len(blocks)
     lazy = not narrower_than_float32(stream_dtype(model).numpy())  # If boundaries round float16 on CPU
-    board = switchboard.switchboard(model, kinds, lazy=lazy)
+    board = switchboard.switchboard(model, kinds, fixes, lazy=lazy)
     resume = resumable.resumable(board, blocks) if lazy else None
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
-    jobs += [(kind, "all") for kind in kinds if kind != PARALLEL]
-    runs = [job for job in jobs if not _already_parallel(job, blocks)]
+    jobs += [(kind, "all") for kind in kinds if kind not in SINGLE]
+    runs = [job for job in jobs if not _unchanged(job, blocks, fixes or {})]
     chunks = [runs[i : i + CHUNK] for i in range(0, len(runs), CHUNK)]
     cut = dataclasses.replace(resume, model=None) if resume else None  # the graph goes to the actors once, as their model
     make = functools.partial(LossWindows, kinds=kinds, n_layers=n, resume=cut, options=pool.options(options))
@@ -313,7 +328,7 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     measures = ("interval", "kl", "kl_interval", "top1")
     result: dict = {"base": base.loss, **{m: {kind: {} for kind in kinds} for m in measures}, **{kind: {} for kind in kinds}}
     for kind, layer in jobs:
-        if _already_parallel((kind, layer), blocks):
+        if _unchanged((kind, layer), blocks, fixes or {}):
             for table in (result, *(result[m] for m in measures)):
                 table[kind][layer] = None  # nothing to measure
             continue
@@ -346,16 +361,17 @@ class LossWindows:
     def _extra(self, run, kept) -> dict:
         kind, layer = run or (None, None)
         single = isinstance(layer, int)
-        on = {} if run is None else {kind: {layer} if single else set(range(self.n))}
+        on = {} if run is None else {k: {layer} if single else set(range(self.n)) for k in (kind, *WITH.get(kind, ()))}
         extra = {switchboard.SWITCHES: switchboard.switches(self.kinds, self.n, on)}
         if self.resume is not None:  # a single-layer run starts at its block, the others at block 0
             extra |= self.resume.inputs(layer if single else 0, kept)
         return extra
 
 
-def _already_parallel(job, blocks) -> bool:
+def _unchanged(job, blocks, fixes: dict) -> bool:
+    """Whether a single-layer run would be the unchanged model: a parallel block, or no fix to switch on."""
     kind, layer = job
-    return kind == PARALLEL and layer != "all" and blocks[layer].is_parallel
+    return kind in SINGLE and layer != "all" and (blocks[layer].is_parallel or (kind == COMPENSATED and layer not in fixes))
 
 
 def _describe(w: data.Windows) -> dict:
