@@ -259,16 +259,6 @@ class Scorer:
             tuple(kl_sums), tuple(agree), tuple(token_kl),
         )
 
-    def recording(self, windows: Windows, **kwargs) -> tuple[Perplexity, list[Reference]]:
-        """Score `windows` and hand back this model's Reference of each batch (for a pool of actors, where a
-        `record` list would stay on the actor)."""
-        record: list[Reference] = []
-        return self(windows, record=record, **kwargs), record
-
-    def against(self, windows: Windows, reference: Sequence[Reference], **kwargs) -> Perplexity:
-        """Score `windows` against the first model's References, one per batch."""
-        return self(windows, reference=reference, **kwargs)
-
 
 def perplexity(
     model: ir.Model | str | Path,

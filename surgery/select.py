@@ -197,11 +197,12 @@ class Trials:
     def __init__(self, model: ir.Model, fixes: dict[int, Fix], windows: Windows, candidates: list[int], pool: cluster.Pool,
                  options: runtime.Options, baseline: "Trials | None" = None):
         """baseline: Trials of the same model and windows whose unchanged run to reuse (no resumed trials then)."""
-        self.n = len(find_blocks(model))
+        blocks = find_blocks(model)
+        self.n = len(blocks)
         board = board_graph.switchboard(model, KINDS, fixes)
         resume = None
         if baseline is None and not pool.distributed and not narrower_than_float32(stream_dtype(model).numpy()):
-            resume = resumable.resumable(board, find_blocks(model))
+            resume = resumable.resumable(board, blocks)
         self.batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
         self.resume, self.checkpoints = resume, ()
         if resume is not None:
