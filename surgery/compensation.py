@@ -439,20 +439,11 @@ class Accumulator:
             return self._run_inputs(chunk, ids, first, switches, streams, progress, weights)
         fixes, parallel_on, fixed_on = state
         sums: dict[int, NormalEquations] = {}
-        handed: list[np.ndarray] = []
         kept: dict[int, list[np.ndarray]] = {}
-        clock = {"forward": 0.0, "accumulate": 0.0}
+        clock, handed = {"forward": 0.0, "accumulate": 0.0}, []
         inputs = {l: [w for w in INPUT_TAPS if fit_tap(l, w) in self.names] for l in chunk}  # as the fit graph has them
-        names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS + tuple(inputs[l])] + ([STREAM] if self.hands_on else [])
-        for j in range(len(ids)):
-            extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}
-            feed = runtime.feeds(self.session, ids[j : j + 1], extra=extra)
-            start = time.perf_counter()
-            out = dict(zip(names, self.session.run(names, feed)))
-            clock["forward"] += time.perf_counter() - start
-            if self.hands_on:
-                handed.append(out[STREAM])
-            start = time.perf_counter()
+        names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS + tuple(inputs[l])]
+        for j, out in self._windows(names, ids, switches, streams, clock, handed, progress):
             for layer in chunk:  # token 0, the attention sink, left out
                 attn_out, mlp_x, delta, resid_post = (out[fit_tap(layer, w)][0, 1:] for w in FIT_TAPS)
                 if keep:
@@ -466,34 +457,38 @@ class Accumulator:
                     sums[layer] = NormalEquations(attn_out.shape[-1])
                 sums[layer].update((first + j) % 2, attn_out, mlp_x, delta, resid_post, None if weights is None else weights[j])
                 sums[layer].update_inputs({w: out[fit_tap(layer, w)][0, 1:] for w in inputs[layer]})
-            clock["accumulate"] += time.perf_counter() - start
-            if progress:
-                progress()
         return sums, handed, kept, clock
 
     def _run_inputs(self, chunk, ids, first, switches, streams, progress, weights):
         layers = [l for l in chunk if fit_tap(l, MLP_IN_TAPS[0]) in self.names]
         sums: dict[int, InputEquations] = {}
-        handed: list[np.ndarray] = []
-        clock = {"forward": 0.0, "accumulate": 0.0}
-        names = [fit_tap(l, w) for l in layers for w in MLP_IN_TAPS] + ([STREAM] if self.hands_on else [])
-        for j in range(len(ids)):
-            extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}
-            start = time.perf_counter()
-            out = dict(zip(names, self.session.run(names, runtime.feeds(self.session, ids[j : j + 1], extra=extra))))
-            clock["forward"] += time.perf_counter() - start
-            if self.hands_on:
-                handed.append(out[STREAM])
-            start = time.perf_counter()
+        clock, handed = {"forward": 0.0, "accumulate": 0.0}, []
+        names = [fit_tap(l, w) for l in layers for w in MLP_IN_TAPS]
+        for j, out in self._windows(names, ids, switches, streams, clock, handed, progress):
             for layer in layers:  # token 0, the attention sink, left out
                 u, v = (out[fit_tap(layer, w)][0, 1:] for w in MLP_IN_TAPS)
                 if layer not in sums:
                     sums[layer] = InputEquations(u.shape[-1])
                 sums[layer].update((first + j) % 2, u, v, None if weights is None else weights[j])
+        return sums, handed, {}, clock
+
+    def _windows(self, names, ids, switches, streams, clock, handed, progress):
+        """Run the graph on each window, yielding (row, outputs by name) of `names`: the stream it hands on appended
+        to `handed`, the run's seconds to clock["forward"] and, until the next window, the caller's to clock["accumulate"]."""
+        fetch = names + ([STREAM] if self.hands_on else [])
+        for j in range(len(ids)):
+            extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}
+            feed = runtime.feeds(self.session, ids[j : j + 1], extra=extra)
+            start = time.perf_counter()
+            out = dict(zip(fetch, self.session.run(fetch, feed)))
+            clock["forward"] += time.perf_counter() - start
+            if self.hands_on:
+                handed.append(out[STREAM])
+            start = time.perf_counter()
+            yield j, out
             clock["accumulate"] += time.perf_counter() - start
             if progress:
                 progress()
-        return sums, handed, {}, clock
 
 
 def fit(
