@@ -91,7 +91,7 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     assert report["defect"]["c_comp_note"] == {}
     windows = data.windows(path, seq_len=32, max_windows=3, part="evaluation")
     base = evaluate.perplexity(model, windows).loss
-    assert report["ablation"]["base_loss"] == pytest.approx(base, abs=1e-6)
+    assert report["ablation"]["base_loss"] == report["defect"]["base_loss"] == pytest.approx(base, abs=1e-6)
     def kl(rewritten):  # mean token KL and top-1 agreement of a written graph vs the original, scored on its own
         d = evaluate.divergence(evaluate.compare([model, rewritten], windows)[1])
         return pytest.approx(d.kl, rel=1e-4, abs=1e-7), pytest.approx(d.top1)

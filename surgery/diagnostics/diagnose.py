@@ -156,6 +156,7 @@ def _diagnose(
                     f"top1_{name}": [losses["top1"][kind][l] for l in range(n)],
                 })
             d = report["defect"]
+            d["base_loss"] = losses["base"]
             # C_l and C_l^stream predict the plain parallel block's loss, C_l^comp the compensated one's
             truth = {"c": "parallel", "c_stream": "parallel", "c_comp": "compensated"}
             d["spearman"] = {k: spearman(d[k], d[f"dnll_{v}"]) for k, v in truth.items()}
