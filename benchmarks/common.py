@@ -20,6 +20,19 @@ def smollm2() -> Path:
     return SMOLLM2
 
 
+def main_job_windows(folder):
+    """The windows as the main job deals them (its 80 calibration windows, evenly spaced: 64 fit, 16 selection) and
+    the *tuning* windows, the calibration windows it leaves out (27 of the built-in corpus's 107): (fit, selection,
+    tuning)."""
+    from surgery import data
+
+    every = data.windows(folder, seq_len=256, part="calibration")
+    cal = data.windows(folder, seq_len=256, max_windows=80, part="calibration")
+    fit, selection = data.deal(cal, [64, 16], ["fit", "selection"])
+    used = set(cal.starts)
+    return fit, selection, every.take([i for i, start in enumerate(every.starts) if start not in used], "tuning")
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     """A markdown table of `rows` (already formatted strings)."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import kl_score, smollm2
+from common import kl_score, main_job_windows, smollm2
 
 from surgery import compensation, data, graph
 from surgery.layers import parse_layers
@@ -31,11 +31,8 @@ def main() -> None:
     model = graph.load(folder)
     sets = [sorted(parse_layers(s, 30)) for s in args.sets.split(";")]
     layers = sorted(set().union(*sets))
-    every = data.windows(folder, seq_len=256, part="calibration")
-    cal = data.windows(folder, seq_len=256, max_windows=80, part="calibration")  # as the main job takes them (evenly spaced)
-    fit_windows, selection = data.deal(cal, [64, 16], ["fit", "selection"])
-    spare = [i for i, start in enumerate(every.starts) if start not in set(cal.starts)]
-    scored = {"selection": selection, "tuning": every.take(spare, "tuning")}
+    fit_windows, selection, tuning = main_job_windows(folder)
+    scored = {"selection": selection, "tuning": tuning}
     for n in (int(k) for k in args.eval_windows.split(",")):
         scored[f"evaluation {n}"] = data.windows(folder, seq_len=256, max_windows=n, part="evaluation")
     fixes = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import kl_score, smollm2
+from common import kl_score, main_job_windows, smollm2
 
 from surgery import compensation, data, graph
 from surgery.compensation import KINDS
@@ -30,11 +30,8 @@ def main() -> None:
     folder = smollm2()
     model = graph.load(folder)
     chosen = sorted(parse_layers(args.layers, 30))
-    every = data.windows(folder, seq_len=256, part="calibration")
-    cal = data.windows(folder, seq_len=256, max_windows=80, part="calibration")  # as the main job takes them
-    fit_windows, selection = data.deal(cal, [64, 16], ["fit", "selection"])
-    spare = [i for i, start in enumerate(every.starts) if start not in set(cal.starts)]
-    scored = {"selection": selection, "tuning": every.take(spare, "tuning"),
+    fit_windows, selection, tuning = main_job_windows(folder)
+    scored = {"selection": selection, "tuning": tuning,
               "eval 64": data.windows(folder, seq_len=256, max_windows=64, part="evaluation")}
     variants = {}
     start = time.perf_counter()
