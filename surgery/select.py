@@ -220,7 +220,7 @@ class Trials:
 
     def _baseline(self) -> tuple[evaluate.Perplexity, list]:
         parts = list(self.scorers.map("run", [(batch, self._extra({}, 0, b)) for b, batch in enumerate(self.batches)]))
-        self.passes, self.blocks_run = 1, self.n
+        self.passes, self.blocks_run = self.passes + 1, self.blocks_run + self.n
         self.streams = [kept or {} for _, kept, _ in parts]
         reference = [self.scorers.share(r) for _, _, refs in parts for r in refs]  # [BATCH, seq, vocab] float32, sent to Ray actors once
         return evaluate.joined([p for p, _, _ in parts]), reference
@@ -351,7 +351,7 @@ def select_layers(
         tell("greedy selection", i + 1, len(candidates))
     seconds["selection"] = time.perf_counter() - start
 
-    refit_report = None
+    refit_report, refitted = None, None
     compensated = {l for l, f in chosen.items() if f == "compensated"}
     if refit and compensated:
         start = time.perf_counter()
@@ -362,7 +362,8 @@ def select_layers(
                                  seconds=fit_seconds, progress=lambda d, t: tell("refit", d, t))
         new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
         new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
-        d, kl, _ = Trials(model, new_fixes, windows, [], pool, options, baseline=runs).loss(chosen)
+        refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs)
+        d, kl, _ = refitted.loss(chosen)
         kept = budget.cost(d, kl) < budget.cost(current, current_kl)
         refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(),
                         "kl_before": current_kl.to_json(), "kl_after": kl.to_json(), "kept": kept}
@@ -386,8 +387,8 @@ def select_layers(
         refit=refit_report,
         fit_passes=fit_passes,
         fit_seconds=fit_seconds,
-        forward_passes=runs.passes + (1 if refit_report else 0),
-        blocks_run=runs.blocks_run + (runs.n if refit_report else 0),
+        forward_passes=runs.passes + (refitted.passes if refitted else 0),
+        blocks_run=runs.blocks_run + (refitted.blocks_run if refitted else 0),
         seconds=seconds,
         candidates=len(candidates),
         stopped=stopped,

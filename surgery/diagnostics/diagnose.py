@@ -305,13 +305,13 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     A window's runs are scored in chunks of CHUNK, `pool.parallel` at a time (in this process or on Ray
     actors), each from the unchanged run's kept tensors; the parts are joined here in window order.
     """
-    n = len(blocks)
+    n, fixes = len(blocks), fixes or {}
     lazy = not narrower_than_float32(stream_dtype(model).numpy())  # If boundaries round float16 on CPU
     board = switchboard.switchboard(model, kinds, fixes, lazy=lazy)
     resume = resumable.resumable(board, blocks) if lazy else None
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
     jobs += [(kind, "all") for kind in kinds if kind not in SINGLE]
-    runs = [job for job in jobs if not _unchanged(job, blocks, fixes or {})]
+    runs = [job for job in jobs if not _unchanged(job, blocks, fixes)]
     chunks = [runs[i : i + CHUNK] for i in range(0, len(runs), CHUNK)]
     cut = dataclasses.replace(resume, model=None) if resume else None  # the graph goes to the actors once, as their model
     make = functools.partial(LossWindows, kinds=kinds, n_layers=n, resume=cut, options=pool.options(options))
@@ -329,7 +329,7 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     measures = ("interval", "kl", "kl_interval", "top1")
     result: dict = {"base": base.loss, **{m: {kind: {} for kind in kinds} for m in measures}, **{kind: {} for kind in kinds}}
     for kind, layer in jobs:
-        if _unchanged((kind, layer), blocks, fixes or {}):
+        if _unchanged((kind, layer), blocks, fixes):
             for table in (result, *(result[m] for m in measures)):
                 table[kind][layer] = None  # nothing to measure
             continue
