@@ -64,6 +64,7 @@ def _command(fn):
     def wrapper(*args, **kwargs):
         signal.signal(signal.SIGTERM, _interrupt)
         try:
+            _check_counts(kwargs)
             if fn.__name__ in _RUNS_ORT:
                 from surgery.runtime import clashing_builds
 
@@ -86,6 +87,32 @@ def _command(fn):
 
 
 _RUNS_ORT = {"parallelize", "evaluate", "diagnose"}
+# Whole-number options, by parameter name, and the least each may be; checked before any work.
+_AT_LEAST = {
+    "fit_windows": 1, "windows": 1, "eval_windows": 1, "stride": 1, "batch_size": 1, "critical_seeds": 1,
+    "repeats": 1, "warmup": 0, "latency_batch": 1, "threads": 1, "workers": 1,
+    "max_layers": 1, "patience": 0, "protect_first": 0, "protect_last": 0, "opset": 1,
+}
+
+
+def _check_counts(options: dict) -> None:
+    for name, least in _AT_LEAST.items():
+        value = options.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise SurgeryError(f"--{name.replace('_', '-')} {value}: give a whole number of at least {least}")
+
+
+def _max_windows(text: str) -> int | None:
+    """--max-windows: a whole number of at least 1, or `all` (None)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        count = None
+    if count is None or count < 1:
+        raise SurgeryError(f"--max-windows {text}: give a whole number of at least 1, or `all`")
+    return count
 
 
 def _interrupt(signum, frame):
@@ -332,7 +359,7 @@ def evaluate(
     data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl (`text` field) file; the built-in pydoc topics when unset.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window (BOS included) and per latency prefill.")] = 256,
     stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts; seq-len when unset.")] = None,
-    max_windows: Annotated[Optional[int], typer.Option(help="Score at most this many windows.")] = 16,
+    max_windows: Annotated[str, typer.Option(help="Score at most this many windows, evenly spaced over the part; `all`: every one.")] = "16",
     part: Annotated[str, typer.Option(help="Corpus part: `evaluation` (default), `calibration` or `all`.")] = "evaluation",
     batch_size: Annotated[int, typer.Option(help="Windows per forward pass when scoring.")] = 1,
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the first model.")] = None,
@@ -350,7 +377,7 @@ def evaluate(
 
     with _progress() as tell:
         windows, rows = ev.side_by_side(
-            models, _short_names(models), corpus=data, seq_len=seq_len, stride=stride, max_windows=max_windows, part=part,
+            models, _short_names(models), corpus=data, seq_len=seq_len, stride=stride, max_windows=_max_windows(max_windows), part=part,
             tokenizer=tokenizer, batch_size=batch_size, measure_latency=latency, latency_batch=latency_batch, repeats=repeats,
             warmup=warmup, options=runtime.Options(threads=threads, device=device), progress=tell,
         )

@@ -182,6 +182,8 @@ def windows(
     """Token windows of a corpus for `model`: the `part` (evaluation, calibration or all) of its token stream."""
     if part not in PARTS:
         raise SurgeryError(f"unknown part {part!r}; use one of {', '.join(PARTS)}")
+    if max_windows is not None and max_windows < 1:
+        raise SurgeryError(f"{max_windows} windows asked for; ask for at least 1")
     if not 0 < calibration < 1:
         raise SurgeryError(f"calibration fraction {calibration} must be between 0 and 1")
     tok = load_tokenizer(model, tokenizer)

@@ -110,3 +110,39 @@ def test_rewrite_errors_write_nothing(tmp_path, fixture_path, args, message):
     assert result.exit_code == 1
     assert result.stderr.startswith("error: ") and message in result.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["evaluate", "{src}", "--max-windows", "0"], "--max-windows 0: give a whole number of at least 1, or `all`"),
+        (["evaluate", "{src}", "--max-windows", "-3"], "--max-windows -3"),
+        (["evaluate", "{src}", "--max-windows", "many"], "--max-windows many"),
+        (["evaluate", "{src}", "--batch-size", "0"], "--batch-size 0: give a whole number of at least 1"),
+        (["evaluate", "{src}", "--repeats", "0"], "--repeats 0"),
+        (["evaluate", "{src}", "--stride", "0"], "--stride 0"),
+        (["parallelize", "{src}", "-o", "{out}", "--eval-windows", "0"], "--eval-windows 0"),
+        (["parallelize", "{src}", "-o", "{out}", "--windows", "0"], "--windows 0"),
+        (["parallelize", "{src}", "-o", "{out}", "--fit-windows", "-1"], "--fit-windows -1"),
+        (["parallelize", "{src}", "-o", "{out}", "--protect-first", "-2"], "--protect-first -2: give a whole number of at least 0"),
+        (["diagnose", "{src}", "-o", "{out}", "--critical-seeds", "0"], "--critical-seeds 0"),
+    ],
+)
+def test_counts_below_their_least_are_one_line_before_any_work(tmp_path, fixture_path, args, message):
+    """Window, repeat and batch counts of zero or less: one line and exit 1 (they used to end in ZeroDivisionError,
+    ValueError or IndexError tracebacks after loading the model), nothing written."""
+    out = tmp_path / "out"
+    result = runner.invoke(app, [a.format(src=fixture_path("llama"), out=out) for a in args])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+    assert not out.exists()
+
+
+def test_evaluate_scores_every_window_of_the_part_with_max_windows_all(fixture_path):
+    from surgery import data
+
+    result = runner.invoke(app, ["evaluate", str(fixture_path("llama")), "--max-windows", "all", "--seq-len", "32", "--no-latency", "--json"])
+    assert result.exit_code == 0, result.output
+    every = data.windows(fixture_path("llama"), seq_len=32, part="evaluation")
+    assert json.loads(result.stdout)["windows"]["count"] == len(every) > 16

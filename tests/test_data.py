@@ -88,3 +88,9 @@ def test_missing_tokenizer_names_the_fix(tmp_path, fixture_path):
         data.windows(tmp_path, seq_len=64)
     w = data.windows(tmp_path / "model.onnx", seq_len=64, tokenizer=fixture_path("llama"), max_windows=2)
     assert len(w) == 2
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_asking_for_no_windows_is_an_error_not_an_empty_set(fixture_path, count):
+    with pytest.raises(SurgeryError, match=f"{count} windows asked for"):
+        data.windows(fixture_path("llama"), seq_len=32, max_windows=count)
