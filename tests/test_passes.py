@@ -149,6 +149,9 @@ def test_bad_pass_options_are_one_clear_error(fixture_path):
         ablate(model, "mlp", "scale", {0})
     with pytest.raises(SurgeryError, match="unknown branch"):
         ablate(model, "ffn", "radial", {0})
+    for factor in (float("nan"), float("inf")):  # a graph of NaN would be written without a word
+        with pytest.raises(SurgeryError, match="give a finite factor"):
+            ablate(model, "mlp", "scale", {0}, scale=factor)
     with pytest.raises(SurgeryError, match="out of range"):
         parallelize(model, {3})
 

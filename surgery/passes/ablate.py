@@ -8,6 +8,8 @@ relative to u = resid_pre / |resid_pre|, per token:
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Collection
 
 import numpy as np
@@ -80,6 +82,8 @@ def _check(branch: str, mode: str, scale: float | None) -> str:
         raise SurgeryError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     if mode == "scale" and scale is None:
         raise SurgeryError("mode scale needs a factor; add --scale A")
+    if mode == "scale" and not math.isfinite(scale):
+        raise SurgeryError(f"--scale {scale}: give a finite factor")
     if mode != "scale" and scale is not None:
         raise SurgeryError(f"--scale only goes with mode scale, not {mode}")
     return f"{branch} {mode}" + (f"={scale:g}" if mode == "scale" else "")
