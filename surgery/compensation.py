@@ -510,6 +510,7 @@ def fit(
     requantize: str = "gptq",
     token_weights: list[np.ndarray] | None = None,
     input_side: bool = True,
+    input_windows: int | None = None,
 ) -> dict[int, FitResult]:
     """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
     normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
@@ -536,6 +537,9 @@ def fit(
     of its own before the output side's, where the mlp's input projections are plain (not MatMulNBits) ones: each
     chunk of layers costs two passes then, the first without the twin mlp; the output side is then fitted to the
     defect left by the input-fixed mlp (module docstring). A block compensated while fitted keeps its fix's input side.
+    input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None): its
+    equations have d_model + 1 unknowns per output, the output side's 2 d_model + 1, and its ridge is chosen on the
+    same alternating folds of the windows it runs on.
     """
     if requantize not in REQUANTIZE:
         raise SurgeryError(f"unknown requantization {requantize!r}; choose one of {', '.join(REQUANTIZE)}")
@@ -565,14 +569,14 @@ def fit(
     switches = board_graph.switches(KINDS, n, on)
     state = (fixes or {}, *(set((on or {}).get(kind, ())) for kind in KINDS))
     keep = keep_stream is not None
-    runs = [(int(r[0]), int(r[-1]) + 1) for r in np.array_split(np.arange(len(windows)), max(1, pool.workers)) if len(r)]
     results: dict[int, FitResult] = {}
     by_layer = {b.layer: b for b in blocks}
     chunks = _chunks(todo, table[1], memory_bytes, pool.copies, _input_widths(model, todo, requantize))
     values: dict[str, ir.Value] | None = None
     sides = _input_sided(model, todo, skip=state[2]) if input_side and kind == "full" and drift is None else set()
     input_residual: dict[int, float] = {}
-    done, total = 0, (len(chunks) + sum(1 for chunk in chunks if sides.intersection(chunk))) * len(windows)
+    every, inputs_rows = np.arange(len(windows)), _spread(len(windows), input_windows)
+    done, total = 0, len(chunks) * len(windows) + sum(1 for chunk in chunks if sides.intersection(chunk)) * len(inputs_rows)
 
     def tick(count: int = 1) -> None:
         nonlocal done
@@ -582,19 +586,24 @@ def fit(
 
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
 
-    def run_pass(graph: ir.Model, chunk: list[int], streams, stage: str) -> tuple[dict, list[np.ndarray]]:
-        """One pass of `graph` over the windows: the chunk's sums, added in window order, and the streams handed on."""
-        if pool.distributed:  # one contiguous run of windows per actor (the input side's run ignores drift and keep)
+    def run_pass(graph: ir.Model, chunk: list[int], streams, stage: str, rows: np.ndarray) -> tuple[dict, list[np.ndarray]]:
+        """One pass of `graph` over the windows `rows` (indices, in order): the chunk's sums, added in window order,
+        and the streams handed on. Row j of `rows` is in fold j % 2."""
+        pick = lambda per_window, r: None if per_window is None else [per_window[i] for i in r]  # noqa: E731
+        runs = [(int(p[0]), rows[p]) for p in np.array_split(np.arange(len(rows)), max(1, pool.workers)) if len(p)]
+        if pool.distributed:  # one contiguous run of the rows per actor (the input side's run ignores drift and keep)
             actors = pool.actors(graph, functools.partial(Accumulator, options=pool.options(options)))
-            jobs = [(chunk, windows.ids[a:b], a, switches, state, None if streams is None else streams[a:b],
-                     None if drift is None else {l: drift[l][a:b] for l in chunk}, keep, None,
-                     None if token_weights is None else token_weights[a:b], stage) for a, b in runs]
+            jobs = [(chunk, windows.ids[r], a, switches, state, pick(streams, r),
+                     None if drift is None else {l: pick(drift[l], r) for l in chunk}, keep, None,
+                     pick(token_weights, r), stage) for a, r in runs]
             parts = actors.map("run", jobs)
         else:
-            parts = [Accumulator(graph, options).run(chunk, windows.ids, 0, switches, state, streams, drift, keep, tick, token_weights, stage)]
+            parts = [Accumulator(graph, options).run(chunk, windows.ids[rows], 0, switches, state, pick(streams, rows),
+                                                     None if drift is None else {l: pick(drift[l], rows) for l in chunk}, keep,
+                                                     tick, pick(token_weights, rows), stage)]
         sums: dict[int, NormalEquations | InputEquations] = {}
         handed: list[np.ndarray] = []
-        for (a, b), (part, stream, kept, part_clock) in zip(runs, parts):  # in window order (in process: one run, all windows)
+        for (_, r), (part, stream, kept, part_clock) in zip(runs, parts):  # in window order (in process: one run, all rows)
             start = time.perf_counter()
             for layer, eq in part.items():
                 if layer in sums:
@@ -608,7 +617,7 @@ def fit(
             for key, value in part_clock.items():
                 clock[key] += value
             if pool.distributed:
-                tick(b - a)
+                tick(len(r))
         return sums, handed
 
     for c, chunk in enumerate(chunks):
@@ -616,7 +625,7 @@ def fit(
         sided = [l for l in chunk if l in sides]
         input_sides: dict[int, Fix] = {}
         if sided:  # the input side's pass first, from the same stream; the output side's pass hands it on
-            sums, _ = run_pass(fit_graph(model, fixes, sided, resume=resume, stage="inputs"), chunk, streams, "inputs")
+            sums, _ = run_pass(fit_graph(model, fixes, sided, resume=resume, stage="inputs"), chunk, streams, "inputs", inputs_rows)
             start = time.perf_counter()
             for layer in sided:
                 solved = sums[layer].solve(ridges)
@@ -625,7 +634,7 @@ def fit(
             clock["solve"] += time.perf_counter() - start
             del sums
         graph = fit_graph(model, fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq", input_sides=input_sides)
-        sums, streams = run_pass(graph, chunk, streams, "outputs")
+        sums, streams = run_pass(graph, chunk, streams, "outputs", every)
         del graph
         start = time.perf_counter()
         for layer in chunk:
@@ -645,6 +654,15 @@ def fit(
         clock["solve"] += time.perf_counter() - start
         del sums
     return results
+
+
+def _spread(n: int, count: int | None) -> np.ndarray:
+    """`count` of the indices 0..n-1, evenly spaced and in order (all of them when None or count >= n)."""
+    if count is None or count >= n:
+        return np.arange(n)
+    if count < 1:
+        raise SurgeryError(f"input_windows {count}: give a whole number of at least 1")
+    return np.unique(np.linspace(0, n - 1, count).round().astype(np.int64))
 
 
 def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1, widths: dict[int, tuple[int, ...]] | None = None

@@ -234,18 +234,22 @@ def _numpy_ridge_fit(z: np.ndarray, target: np.ndarray, folds: np.ndarray):
     return ridge, left[ridge] / np.sum(t1**2), np.linalg.solve(full + ridge * np.diag(np.diag(full)), z.T @ target)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_input_side_and_the_output_side_after_it_equal_numpy_on_the_hooked_hf_model(tiny_export, family):
+@pytest.mark.parametrize("family, input_windows", [("llama", None), ("gpt2", None), ("llama", 5)],
+                         ids=["llama", "gpt2", "llama-input-side-on-5-of-12-windows"])
+def test_input_side_and_the_output_side_after_it_equal_numpy_on_the_hooked_hf_model(tiny_export, family, input_windows):
     """The input side: ln2(resid_mid) - u ~ [u, 1] W_in with u = ln2(resid_pre); then the output side on the
     input-fixed mlp, mlp(ln2(resid_mid)) - P' ~ [A, P', 1] W with P' = mlp(u (I + w_in) + b_in): both equal a NumPy
-    ridge fit of the HF model's own activations (forward hooks), the ridge chosen on the held-out fold in NumPy too."""
+    ridge fit of the HF model's own activations (forward hooks), the ridge chosen on the held-out fold in NumPy too.
+    With input_windows 5 the input side is fitted on windows 0, 3, 6, 8, 11 of the 12 (evenly spaced, folds
+    alternating among them), the output side on all 12."""
     torch = pytest.importorskip("torch")
     from tests.helpers import Exported
     from tests.reference import LAYOUT
 
     tiny = Exported(tiny_export(family, seed=5))
     windows = data.windows(tiny.folder, seq_len=32, max_windows=12, part="calibration")
-    fits = compensation.fit(tiny.onnx, windows)
+    fits = compensation.fit(tiny.onnx, windows, input_windows=input_windows)
+    inputs_rows = [0, 3, 6, 8, 11] if input_windows else list(range(12))
     blocks_path, attn_name, mlp_name, ln2_name = LAYOUT[tiny.torch.config.model_type]
     layers = tiny.torch.get_submodule(blocks_path)
     seen: dict[int, list] = {l: [] for l in range(len(layers))}
@@ -272,8 +276,10 @@ def test_input_side_and_the_output_side_after_it_equal_numpy_on_the_hooked_hf_mo
         u, v, a, p, m = (np.concatenate([r[k] for r in rows]) for k in range(5))
         folds = np.concatenate([np.full(len(r[0]), i % 2) for i, r in enumerate(rows)])
         f, ones = fits[layer], np.ones((len(u), 1))
+        on = np.concatenate([np.full(len(r[0]), i in inputs_rows) for i, r in enumerate(rows)])
         z = np.concatenate([u, ones], axis=1)
-        _, residual, w = _numpy_ridge_fit(z, v - u, folds)
+        input_folds = np.concatenate([np.full(len(rows[i][0]), j % 2) for j, i in enumerate(inputs_rows)])
+        _, residual, w = _numpy_ridge_fit(z[on], (v - u)[on], input_folds)
         scale = np.abs(v - u).max()
         np.testing.assert_allclose(z @ np.concatenate([f.fix.w_in, f.fix.b_in[None]]), z @ w, rtol=0, atol=1e-3 * scale)
         assert f.input_residual == pytest.approx(residual, rel=1e-2, abs=1e-6) and f.input_residual < 1
