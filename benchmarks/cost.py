@@ -19,9 +19,14 @@ The model counts what the code does (surgery/compensation.py, select.py, diagnos
   all passes together are one pass of every block, each block's mlp twice (the twin), no head, over the fit
   windows; per window and block the float32 products Z'Z (k = 2 d + 1: syrk, n k^2) and Z'delta (2 n k d) are
   added to float64 sums; per block the ridge choice (one symmetric eigendecomposition of k^2, two k^3 products)
-  and one LU solve with d right-hand sides.
-- selection: the switchboard scored on the selection windows once per trial and once for the baseline: every
-  block, the head and the log-softmax; each compensated block's switch copies W_o and W_down (Where).
+  and one LU solve with d right-hand sides. The fix's input side (the default) adds, before each chunk's pass, a
+  pass of the same blocks without the twin, whose sums ([u, 1]: k_in = d + 1) cost (d + 1) / (3 d + 1) of the
+  output side's per window and whose solve (k_in / k)^3 of its.
+- selection: the switchboard scored on the selection windows once per trial and once for the baseline: the head
+  and the log-softmax, and the blocks from where the run starts; each compensated block's switch copies W_o and
+  W_down (Where). A trial resumes at its block from the accepted set's stream (select.Trials): the share of the
+  blocks the runs make is the run's own (selection.json's blocks_run) where there is one, else modelled as the
+  baseline's whole pass and trials starting at blocks spread evenly over the model ((L + 1) / 2 blocks each).
 - evaluation: the original and the rewritten model on the evaluation windows; write: the weights once.
 - diagnose: the probe (per calibration window: every block as the one-block decoder's probe measured, and the
   head), the loss runs (per evaluation window: the baseline, then 7 switch kinds at each block alone, each run
@@ -82,6 +87,8 @@ class Job:
     selection_windows: int = 16
     eval_windows: int = 8
     trials: int | None = None  # None: one per block (every candidate tried)
+    blocks_share: float | None = None  # of the selection runs' blocks, the share run (resumed trials); None: modelled
+    input_side: bool = True  # the fix's input side: one more fit pass, without the twin
     compensated: int | None = None  # blocks with a fix, whose switch the trials' graph holds (None: all)
     diag_windows: int = 4
     diag_eval_windows: int = 4
@@ -347,6 +354,9 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
     twin = s.block_flops(job.tokens, twin=True) / s.block_flops(job.tokens)
     k, n = s.k, job.tokens - 1
     trials = s.layers if job.trials is None else job.trials
+    share = job.blocks_share if job.blocks_share is not None else (s.layers + trials * (s.layers + 1) / 2) / ((1 + trials) * s.layers)
+    inputs = dict(forward=1 / twin, accumulate=(s.d + 1) / (3 * s.d + 1), solve=((s.d + 1) / k) ** 3) if job.input_side else \
+        dict(forward=0.0, accumulate=0.0, solve=0.0)  # the input side's pass, against the output side's
     compensated = s.layers if job.compensated is None else job.compensated
     switch = 4 * (s.d * s.d + s.d * s.mlp) * compensated / s.layers  # a compensated switch's Where copies W_o, W_down
     # a trial's block: measured here (the one-block switchboard, batched and scored as select runs it); on the GPU, the block and the copies
@@ -355,14 +365,17 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
     runs = (1 + trials) * job.selection_windows
     where = runs * compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the compensated switches' weight copies
     parts = {
-        "fit forward": dict(flops=job.fit_windows * s.layers * s.block_flops(job.tokens, twin=True),
-                            bytes=job.fit_windows * s.weight_bytes(), seconds=job.fit_windows * s.layers * block * twin),
-        "fit accumulate": dict(flops=job.fit_windows * s.layers * (n * k * k + 2 * n * k * s.d),
-                               bytes=job.fit_windows * s.layers * 3 * (k * k + k * s.d) * 8,
-                               seconds=job.fit_windows * s.layers * r.update * (n / 255)),
-        "fit solve": dict(flops=s.layers * (13 * k**3 + 6 * k * k * s.d), bytes=s.layers * 6 * k * k * 8, seconds=s.layers * r.solve),
-        "selection": dict(flops=runs * (s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)), bytes=runs * s.weight_bytes() + where,
-                          seconds=runs * (s.layers * trial + head)),  # the switches' Where copies are inside the measured trial
+        "fit forward": dict(flops=job.fit_windows * s.layers * s.block_flops(job.tokens, twin=True) * (1 + inputs["forward"]),
+                            bytes=job.fit_windows * s.weight_bytes() * (2 if job.input_side else 1),
+                            seconds=job.fit_windows * s.layers * block * twin * (1 + inputs["forward"])),
+        "fit accumulate": dict(flops=job.fit_windows * s.layers * (n * k * k + 2 * n * k * s.d) * (1 + inputs["accumulate"]),
+                               bytes=job.fit_windows * s.layers * 3 * (k * k + k * s.d) * 8 * (1 + inputs["accumulate"]),
+                               seconds=job.fit_windows * s.layers * r.update * (n / 255) * (1 + inputs["accumulate"])),
+        "fit solve": dict(flops=s.layers * (13 * k**3 + 6 * k * k * s.d) * (1 + inputs["solve"]), bytes=s.layers * 6 * k * k * 8 * (1 + inputs["solve"]),
+                          seconds=s.layers * r.solve * (1 + inputs["solve"])),
+        "selection": dict(flops=runs * (share * s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)),
+                          bytes=runs * share * s.weight_bytes() + where,
+                          seconds=runs * (share * s.layers * trial + head)),  # the switches' Where copies are inside the measured trial
         "evaluation": dict(flops=2 * job.eval_windows * (s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)),
                            bytes=2 * job.eval_windows * s.weight_bytes(), seconds=2 * job.eval_windows * (s.layers * block + head)),
         "write": dict(flops=0, bytes=s.weight_bytes(), seconds=s.weight_bytes() / r.write),
@@ -382,7 +395,7 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
         "evaluation": loaded * weights + folded + 2 * (session * weights + fixed) + job.tokens * s.vocab * 4,  # both models' sessions
     }
     memory = max(stages.values())
-    return {"parts": parts, "memory": memory, "fit_passes": -(-s.layers // per_pass)}
+    return {"parts": parts, "memory": memory, "fit_passes": -(-s.layers // per_pass) * (2 if job.input_side else 1)}
 
 
 def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
@@ -442,7 +455,9 @@ def _measured(run: Path) -> dict:
         out["windows"] = {part: w["count"] for part, w in outcome["windows"].items()}
         split = sel.get("fit_seconds") or {}
         out.update({"fit forward": split.get("forward"), "fit accumulate": split.get("accumulate"), "fit solve": split.get("solve"),
-                    "selection": sel["seconds"].get("selection"), "trials": len(sel["trials"]), "fit_memory": sel.get("fit_memory")})
+                    "selection": sel["seconds"].get("selection"), "trials": len(sel["trials"]), "fit_memory": sel.get("fit_memory"),
+                    "blocks_share": sel["blocks_run"] / (sel["forward_passes"] * len(sel["blocks"])) if sel.get("blocks_run") else None,
+                    "input_side": any((b["fit"] or {}).get("input_residual") is not None for b in sel["blocks"])})
         out["kind"] = "parallelize"
         out["onnx_bytes"] = (run / "model.onnx").stat().st_size
     elif (run / "report.json").is_file():
@@ -467,7 +482,7 @@ def validate(specs: list[str], rates: dict[str, Rates]) -> str:
         w, inline = got["windows"], got["onnx_bytes"] > shape.weight_bytes() / 2  # the weights are in the .onnx file
         if got["kind"] == "parallelize":
             job = Job(fit_windows=w["fit"], selection_windows=w["selection"], eval_windows=w["evaluation"], trials=got["trials"],
-                      fit_memory=got["fit_memory"], inline=inline)
+                      fit_memory=got["fit_memory"], inline=inline, blocks_share=got["blocks_share"], input_side=got["input_side"])
             cost = parallelize(shape, job, r)
         else:
             job = Job(diag_windows=w["calibration"], diag_eval_windows=w["evaluation"], zeros=int(round(got["zeros"])), inline=inline)
