@@ -355,8 +355,8 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
     k, n = s.k, job.tokens - 1
     trials = s.layers if job.trials is None else job.trials
     share = job.blocks_share if job.blocks_share is not None else (s.layers + trials * (s.layers + 1) / 2) / ((1 + trials) * s.layers)
-    inputs = dict(forward=1 / twin, accumulate=(s.d + 1) / (3 * s.d + 1), solve=((s.d + 1) / k) ** 3) if job.input_side else \
-        dict(forward=0.0, accumulate=0.0, solve=0.0)  # the input side's pass, against the output side's
+    # with the input side, each fit part also does the input side's share of it: a pass without the twin, [u, 1] sums and solve
+    forward, accumulate, solve = (1 + 1 / twin, 1 + (s.d + 1) / (3 * s.d + 1), 1 + ((s.d + 1) / k) ** 3) if job.input_side else (1, 1, 1)
     compensated = s.layers if job.compensated is None else job.compensated
     switch = 4 * (s.d * s.d + s.d * s.mlp) * compensated / s.layers  # a compensated switch's Where copies W_o, W_down
     # a trial's block: measured here (the one-block switchboard, batched and scored as select runs it); on the GPU, the block and the copies
@@ -365,14 +365,14 @@ def parallelize(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dic
     runs = (1 + trials) * job.selection_windows
     where = runs * compensated * 4 * (s.d * s.d + s.d * s.mlp)  # the compensated switches' weight copies
     parts = {
-        "fit forward": dict(flops=job.fit_windows * s.layers * s.block_flops(job.tokens, twin=True) * (1 + inputs["forward"]),
+        "fit forward": dict(flops=job.fit_windows * s.layers * s.block_flops(job.tokens, twin=True) * forward,
                             bytes=job.fit_windows * s.weight_bytes() * (2 if job.input_side else 1),
-                            seconds=job.fit_windows * s.layers * block * twin * (1 + inputs["forward"])),
-        "fit accumulate": dict(flops=job.fit_windows * s.layers * (n * k * k + 2 * n * k * s.d) * (1 + inputs["accumulate"]),
-                               bytes=job.fit_windows * s.layers * 3 * (k * k + k * s.d) * 8 * (1 + inputs["accumulate"]),
-                               seconds=job.fit_windows * s.layers * r.update * (n / 255) * (1 + inputs["accumulate"])),
-        "fit solve": dict(flops=s.layers * (13 * k**3 + 6 * k * k * s.d) * (1 + inputs["solve"]), bytes=s.layers * 6 * k * k * 8 * (1 + inputs["solve"]),
-                          seconds=s.layers * r.solve * (1 + inputs["solve"])),
+                            seconds=job.fit_windows * s.layers * block * twin * forward),
+        "fit accumulate": dict(flops=job.fit_windows * s.layers * (n * k * k + 2 * n * k * s.d) * accumulate,
+                               bytes=job.fit_windows * s.layers * 3 * (k * k + k * s.d) * 8 * accumulate,
+                               seconds=job.fit_windows * s.layers * r.update * (n / 255) * accumulate),
+        "fit solve": dict(flops=s.layers * (13 * k**3 + 6 * k * k * s.d) * solve, bytes=s.layers * 6 * k * k * 8 * solve,
+                          seconds=s.layers * r.solve * solve),
         "selection": dict(flops=runs * (share * s.layers * s.block_flops(job.tokens) + s.head_flops(job.tokens)),
                           bytes=runs * share * s.weight_bytes() + where,
                           seconds=runs * (share * s.layers * trial + head)),  # the switches' Where copies are inside the measured trial

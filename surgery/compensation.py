@@ -62,7 +62,7 @@ from surgery import cluster, defect, runtime
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.probe import twin_branch
 from surgery.blocks import BlockMap, branch_nodes, find_blocks
-from surgery.data import Windows
+from surgery.data import Windows, spread
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table, stream_dtype
 from surgery.nodes import Emitter, values_by_name
@@ -549,6 +549,8 @@ def fit(
         clock.setdefault(key, 0.0)
     if token_weights is not None and [len(w) for w in token_weights] != [windows.seq_len - 1] * len(windows):
         raise SurgeryError(f"token_weights needs one weight per token 1.. of each window: {len(windows)} x {windows.seq_len - 1}")
+    if input_windows is not None and input_windows < 1:
+        raise SurgeryError(f"input_windows {input_windows}: give a whole number of at least 1")
     if drift is not None and kind != "full":
         raise SurgeryError("the drift-correcting fit needs the full least-squares fix, not the scalar gate")
     blocks = find_blocks(model)
@@ -575,7 +577,7 @@ def fit(
     values: dict[str, ir.Value] | None = None
     sides = _input_sided(model, todo, skip=state[2]) if input_side and kind == "full" and drift is None else set()
     input_residual: dict[int, float] = {}
-    every, inputs_rows = np.arange(len(windows)), _spread(len(windows), input_windows)
+    every, inputs_rows = np.arange(len(windows)), spread(len(windows), input_windows)
     done, total = 0, len(chunks) * len(windows) + sum(1 for chunk in chunks if sides.intersection(chunk)) * len(inputs_rows)
 
     def tick(count: int = 1) -> None:
@@ -654,15 +656,6 @@ def fit(
         clock["solve"] += time.perf_counter() - start
         del sums
     return results
-
-
-def _spread(n: int, count: int | None) -> np.ndarray:
-    """`count` of the indices 0..n-1, evenly spaced and in order (all of them when None or count >= n)."""
-    if count is None or count >= n:
-        return np.arange(n)
-    if count < 1:
-        raise SurgeryError(f"input_windows {count}: give a whole number of at least 1")
-    return np.unique(np.linspace(0, n - 1, count).round().astype(np.int64))
 
 
 def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1, widths: dict[int, tuple[int, ...]] | None = None

@@ -54,6 +54,13 @@ class Windows:
         return Windows(self.ids[indices], self.score_from[indices], self.starts[indices], name or self.name)
 
 
+def spread(n: int, count: int | None) -> np.ndarray:
+    """`count` of the indices 0..n-1, evenly spaced and in order (all of them when None or count >= n)."""
+    if count is None or count >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, count).round().astype(np.int64))
+
+
 def deal(windows: Windows, sizes: list[int], names: list[str]) -> list[Windows]:
     """Split `windows` into disjoint parts of the given sizes, dealt in turn (so each part spans the
     corpus as the windows do). Needs len(windows) >= sum(sizes); any rest is left out."""
@@ -214,6 +221,5 @@ def windows(
         f"{name} ({part} part)",
     )
     if max_windows is not None and max_windows < len(result):
-        pick = np.unique(np.linspace(0, len(result) - 1, max_windows).round().astype(int))
-        result = Windows(result.ids[pick], result.score_from[pick], result.starts[pick], result.name)
+        result = result.take(spread(len(result), max_windows))
     return result

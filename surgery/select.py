@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import onnx_ir as ir
 
 from surgery import cluster, compensation, data, evaluate, graph, runtime
@@ -209,8 +208,7 @@ class Trials:
             per_block = windows.ids.size * stream_dtype(model).numpy().itemsize * embedding_table(model)[1]
             room = max(1, min(KEEP_BYTES, (compensation.available_memory() or KEEP_BYTES * 8) // 8) // max(per_block, 1))
             layers = sorted({l for l in candidates if 0 < l < self.n})
-            picks = np.unique(np.linspace(0, len(layers) - 1, min(room, len(layers))).round().astype(int)) if layers else []
-            self.checkpoints = tuple(layers[i] for i in picks)
+            self.checkpoints = tuple(layers[i] for i in data.spread(len(layers), room))
         keep = tuple(resume.resid_post[c - 1] for c in self.checkpoints) if resume else ()
         make = functools.partial(TrialScorer, options=pool.options(options), compare=True, keep=keep)
         self.scorers = pool.actors(resume.model if resume else board, make)
