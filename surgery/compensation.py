@@ -592,17 +592,18 @@ def fit(
         """One pass of `graph` over the windows `rows` (indices, in order): the chunk's sums, added in window order,
         and the streams handed on. Row j of `rows` is in fold j % 2."""
         pick = lambda per_window, r: None if per_window is None else [per_window[i] for i in r]  # noqa: E731
-        runs = [(int(p[0]), rows[p]) for p in np.array_split(np.arange(len(rows)), max(1, pool.workers)) if len(p)]
+
+        def job(first: int, r: np.ndarray, progress) -> tuple:  # Accumulator.run's arguments for the rows r
+            return (chunk, windows.ids[r], first, switches, state, pick(streams, r),
+                    None if drift is None else {l: pick(drift[l], r) for l in chunk}, keep, progress, pick(token_weights, r), stage)
+
         if pool.distributed:  # one contiguous run of the rows per actor (the input side's run ignores drift and keep)
+            runs = [(int(p[0]), rows[p]) for p in np.array_split(np.arange(len(rows)), pool.workers) if len(p)]
             actors = pool.actors(graph, functools.partial(Accumulator, options=pool.options(options)))
-            jobs = [(chunk, windows.ids[r], a, switches, state, pick(streams, r),
-                     None if drift is None else {l: pick(drift[l], r) for l in chunk}, keep, None,
-                     pick(token_weights, r), stage) for a, r in runs]
-            parts = actors.map("run", jobs)
+            parts = actors.map("run", [job(a, r, None) for a, r in runs])
         else:
-            parts = [Accumulator(graph, options).run(chunk, windows.ids[rows], 0, switches, state, pick(streams, rows),
-                                                     None if drift is None else {l: pick(drift[l], rows) for l in chunk}, keep,
-                                                     tick, pick(token_weights, rows), stage)]
+            runs = [(0, rows)]
+            parts = [Accumulator(graph, options).run(*job(0, rows, tick))]
         sums: dict[int, NormalEquations | InputEquations] = {}
         handed: list[np.ndarray] = []
         for (_, r), (part, stream, kept, part_clock) in zip(runs, parts):  # in window order (in process: one run, all rows)
