@@ -2,7 +2,7 @@
 
     python benchmarks/big_model.py [--gb 4.2] [--dir out] [--fit-windows 2] [--seq-len 64]
 
-Builds fixtures/big_decoder.py's decoder (TinyLlama-1.1B shapes, random weights streamed to external
+Builds graphs/big_decoder.py's decoder (TinyLlama-1.1B shapes, random weights streamed to external
 data) with at least --gb GB (1e9 bytes) of weights in a temporary folder under --dir, runs each
 command in its own process under /usr/bin/time -v, prints one markdown table and removes every
 file it made. Each command runs through a small wrapper that counts which external tensors the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from common import ROOT, table
 
-from fixtures import big_decoder
+from graphs import big_decoder
 
 # Runs argv[3:] as `surgery ...` (kind cli) or compensate(model, {0: a random Fix}) (kind compensate) and
 # writes to argv[1] the external tensors loaded into this process, name -> bytes.

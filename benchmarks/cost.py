@@ -12,7 +12,7 @@ mean of its two measurements, and the table says how far they moved. This host's
 
 RUN is the output folder of `surgery parallelize` (its selection.json) or of `surgery diagnose` (report.json),
 with the `/usr/bin/time -v` log of the command beside it as RUN.time (wall time and peak RSS); SHAPE is a name
-in SHAPES (synthetic-2048 is fixtures/big_decoder.py's) and LAYERS its number of blocks.
+in SHAPES (synthetic-2048 is graphs/big_decoder.py's) and LAYERS its number of blocks.
 
 The model counts what the code does (surgery/compensation.py, select.py, diagnostics/diagnose.py):
 - fit: each pass runs only its own blocks (from the stream the pass before handed on), so the forward passes of
@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 SHAPES = {  # d_model, heads, kv heads, d_mlp, vocab (config.json of each)
     "smollm2-135m": dict(d=576, heads=9, kv=3, mlp=1536, vocab=49152),
-    "synthetic-2048": dict(d=2048, heads=32, kv=4, mlp=5632, vocab=32000),  # fixtures/big_decoder.py (TinyLlama-1.1B)
+    "synthetic-2048": dict(d=2048, heads=32, kv=4, mlp=5632, vocab=32000),  # graphs/big_decoder.py (TinyLlama-1.1B)
     "llama-3-8b": dict(d=4096, heads=32, kv=8, mlp=14336, vocab=128256),
     "llama-3-70b": dict(d=8192, heads=64, kv=8, mlp=28672, vocab=128256),
 }
@@ -155,7 +155,7 @@ class Rates:
 
     @classmethod
     def measure(cls, s: Shape, scratch: Path) -> Rates:
-        from fixtures import big_decoder
+        from graphs import big_decoder
         from surgery import graph, runtime
         from surgery.compensation import NormalEquations
 

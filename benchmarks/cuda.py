@@ -15,7 +15,7 @@ before issue 18 (--smollm2-layers to change them), compensated with a fix fitted
 The synthetic model (random weights, written once to out/llama-1b-random with external data) has
 every block rewritten; its compensated graph folds a random fix of the fitted form (w_a, w_p, b):
 the same ops and shapes as a fitted one, as a fit on random weights would mean nothing. (It is built
-here, not by fixtures/big_decoder.py, because decode needs a KV cache, which that graph does not have.)
+here, not by graphs/big_decoder.py, because decode needs a KV cache, which that graph does not have.)
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--smollm2-layers", default=SMOLLM2_LAYERS)
     parser.add_argument("--synthetic-layers", default="all")
     parser.add_argument("--fit-windows", type=int, default=32, help="calibration windows of 256 tokens for SmolLM2's fix")
-    parser.add_argument("--smoke", action="store_true", help="CPU, fixtures/tiny-llama for SmolLM2, a tiny synthetic model, "
+    parser.add_argument("--smoke", action="store_true", help="CPU, graphs/tiny-llama for SmolLM2, a tiny synthetic model, "
                         "seq-len 32, 3 repeats, IO binding on host buffers: checks the script end to end, measures nothing")
     args = parser.parse_args()
 
@@ -219,7 +219,7 @@ def main() -> None:
         for name in args.models.split(","):
             start = time.perf_counter()
             if name == "smollm2":
-                folder = ROOT / "fixtures" / "tiny-llama" if args.smoke else smollm2()
+                folder = ROOT / "graphs" / "tiny-llama" if args.smoke else smollm2()
                 model = graph.load(folder)
                 layers = parse_layers(args.smollm2_layers if not args.smoke else "all", len(find_blocks(model)))
                 fixes = fit_fixes(model, folder, layers, seq_len=fit_len, fit_windows=args.fit_windows, options=options)

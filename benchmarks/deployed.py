@@ -54,7 +54,7 @@ def fused_norms_per_block(path) -> list[int]:
 
 
 def main() -> None:
-    from fixtures.deployed import genai_build, genai_greedy, ort_optimize
+    from graphs.deployed import genai_build, genai_greedy, ort_optimize
     from tests.reference import greedy
 
     parser = argparse.ArgumentParser()

@@ -1,6 +1,6 @@
 """The compensation fit alone: its passes and where its time goes, with the fixes saved for comparing two versions.
 
-    python fixtures/big_decoder.py out/big4 --layers 4
+    python graphs/big_decoder.py out/big4 --layers 4
     python benchmarks/fit_passes.py out/big4 --windows 16 --fit-memory 403M --save out/fits-new.npz
     git stash / checkout another version, run it again with --save out/fits-old.npz, then
     python benchmarks/fit_passes.py --compare out/fits-old.npz out/fits-new.npz

@@ -34,7 +34,7 @@ def int4_folder():
     if not (INT4 / "model.onnx").is_file():
         from deployed import hf_folder
 
-        from fixtures.deployed import genai_build
+        from graphs.deployed import genai_build
 
         genai_build(hf_folder()[0], INT4, "int4")
     return INT4

@@ -15,13 +15,13 @@ IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
 
 
 def save_tiny(family: str, folder: Path, seed: int = 0, **config) -> Path:
-    """A tiny random HF folder of `family`: fixtures.make_fixtures' families, and Phi-3 (one fused gate_up
+    """A tiny random HF folder of `family`: graphs.make_fixtures' families, and Phi-3 (one fused gate_up
     projection) and Gemma 3 text built here the same way; `config` overrides the tiny config's fields."""
     import torch
     import transformers as T
 
-    from fixtures.make_fixtures import TOKENIZER, VOCAB
-    from fixtures.make_fixtures import save_tiny as save_fixture_family
+    from graphs.make_fixtures import TOKENIZER, VOCAB
+    from graphs.make_fixtures import save_tiny as save_fixture_family
 
     if family not in ("phi3", "gemma3_text"):
         return save_fixture_family(family, folder, seed=seed, **config)

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from fixtures import big_decoder
+from graphs import big_decoder
 from surgery import graph, runtime
 from surgery.blocks import find_blocks
 

@@ -85,7 +85,7 @@ def test_zeros_found_through_a_tiny_gpt2_field_graph_are_zeros_of_the_torch_mlp(
     """The committed tiny-gpt2 is tiny_model('gpt2', seed=0) exported: at every zero the search reports through ORT,
     that model's torch mlp(ln_2(r u)) is parallel to u, and its autograd tangent Jacobian has the reported spectrum."""
     torch = pytest.importorskip("torch")
-    from fixtures.make_fixtures import tiny_model
+    from graphs.make_fixtures import tiny_model
 
     model = graph.load(fixture_path("gpt2"))
     reference = tiny_model("gpt2", seed=0)

@@ -58,7 +58,7 @@ class Builds:
         return self.tiny_export(family, seed=5).onnx
 
     def variant(self, name):
-        from fixtures.deployed import genai_build, ort_optimize
+        from graphs.deployed import genai_build, ort_optimize
 
         family, tool, option = BUILDS[name]
         if tool == "genai":
@@ -295,7 +295,7 @@ def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):
     """The optimizer fuses an Add into the one norm after it only: a parallel block's ln2 reads its own copy
     of resid_pre, so both of its norms still fuse."""
     pytest.importorskip("torch")  # optimize_model imports it
-    from fixtures.deployed import ort_optimize
+    from graphs.deployed import ort_optimize
     from tests.conftest import FIXTURES
 
     rewritten = graph.write(parallelize(graph.load(FIXTURES / "tiny-llama"), {1, 2}).model, tmp_path / "par", FIXTURES / "tiny-llama")
@@ -311,7 +311,7 @@ def test_rewritten_genai_folder_generates_in_onnxruntime_genai(builds, tmp_path)
     built = builds.variant("genai-fp32")
     from transformers import AutoModelForCausalLM
 
-    from fixtures.deployed import genai_greedy
+    from graphs.deployed import genai_greedy
     from tests.reference import greedy
 
     result = CliRunner().invoke(app, ["parallelize", str(built), "--layers", "0,2", "-o", str(tmp_path / "out")])
@@ -331,7 +331,7 @@ def test_default_main_job_on_a_genai_folder_generates_in_onnxruntime_genai(build
     output keeps genai_config.json and the tokenizer files, og.Model loads it, and its greedy tokens equal greedy
     decoding of the same graph by ONNX Runtime (the whole sequence each step, no cache: the same kernels; int4 at
     the builder's accuracy_level 4)."""
-    from fixtures.deployed import genai_greedy
+    from graphs.deployed import genai_greedy
     from surgery import runtime
 
     built = builds.variant(name)

@@ -26,7 +26,7 @@ def test_exported_folder_generates_like_hf_in_optimum(family, tmp_path):
     from optimum.onnxruntime import ORTModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fixtures.make_fixtures import save_tiny
+    from graphs.make_fixtures import save_tiny
 
     hf = save_tiny(family, tmp_path / "hf", seed=3)
     result = export(str(hf), tmp_path / "onnx")
@@ -52,7 +52,7 @@ def test_export_refuses_a_non_empty_folder(tmp_path):
 
 
 def test_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
-    from fixtures.make_fixtures import save_tiny
+    from graphs.make_fixtures import save_tiny
 
     hf = save_tiny("llama", tmp_path / "hf")
 
@@ -83,7 +83,7 @@ def test_bundled_model_without_its_package_names_the_pip_command(monkeypatch):
 
 
 def test_export_command(tmp_path):
-    from fixtures.make_fixtures import save_tiny
+    from graphs.make_fixtures import save_tiny
 
     hf = save_tiny("qwen2", tmp_path / "hf")
     result = runner.invoke(app, ["export", str(hf), "-o", str(tmp_path / "onnx"), "--no-past"])
@@ -96,7 +96,7 @@ def test_export_command(tmp_path):
 
 @pytest.mark.parametrize("exporter,past", [("optimum", True), ("dynamo", False)])
 def test_opset_is_the_one_asked_for(tmp_path, exporter, past):
-    from fixtures.make_fixtures import save_tiny
+    from graphs.make_fixtures import save_tiny
     from surgery import graph
 
     hf = save_tiny("gpt2", tmp_path / "hf")

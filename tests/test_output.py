@@ -142,7 +142,7 @@ def test_the_shown_path_is_the_final_one(tmp_path):
 
 
 def test_an_export_folder_without_tokenizer_exports_and_says_what_evaluate_needs(tmp_path):
-    from fixtures.make_fixtures import tiny_model
+    from graphs.make_fixtures import tiny_model
 
     tiny_model("llama").save_pretrained(tmp_path / "hf")  # weights and config, no tokenizer files
     before = _hashes(tmp_path / "hf")

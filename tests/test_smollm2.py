@@ -128,7 +128,7 @@ def genai(smollm2, reference, tmp_path_factory):
     import shutil
 
     pytest.importorskip("onnxruntime_genai")
-    from fixtures.deployed import genai_build
+    from graphs.deployed import genai_build
 
     folder = tmp_path_factory.mktemp("smollm2-genai")
     reference.save_pretrained(folder / "hf")
@@ -163,7 +163,7 @@ def test_rewritten_genai_folder_generates_like_the_hooked_torch_model(smollm2, g
     HF's with the same blocks made parallel by hooks (token ids fed: og.Tokenizer mis-encodes this tokenizer)."""
     from tokenizers import Tokenizer
 
-    from fixtures.deployed import genai_greedy
+    from graphs.deployed import genai_greedy
     from surgery.data import default_corpus
     from tests.reference import greedy
 
