@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Literal
 
 import onnx_ir as ir
 
@@ -24,6 +25,7 @@ from surgery.errors import SurgeryError
 from surgery.nodes import values_by_name
 
 ATTENTION_OPS = ops.ATTENTION
+Branch = Literal["attn", "mlp"]  # the two branches of a block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,10 @@ class BlockMap:
     @property
     def is_parallel(self) -> bool:
         return self.resid_mid is None
+
+    def output(self, branch: Branch) -> str:
+        """The value the residual add of `branch` reads: attn_out or mlp_out."""
+        return self.mlp_out if branch == "mlp" else self.attn_out
 
     @property
     def form(self) -> str:
@@ -150,12 +156,12 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
     return blocks
 
 
-def branch_nodes(model: ir.Model, block: BlockMap, branch: str, values: dict[str, ir.Value] | None = None) -> set[ir.Node]:
+def branch_nodes(model: ir.Model, block: BlockMap, branch: Branch, values: dict[str, ir.Value] | None = None) -> set[ir.Node]:
     """Nodes computing the block's `attn_out` or `mlp_out` (its ln included), back to the stream values it reads.
     values: the model's values_by_name, when the caller has it (else it is made: a scan of the whole graph)."""
     values = values if values is not None else values_by_name(model)
     stop = {values[name] for name in (block.resid_pre, block.resid_mid) if name is not None}
-    return _branch_nodes(values[block.mlp_out if branch == "mlp" else block.attn_out], stop)
+    return _branch_nodes(values[block.output(branch)], stop)
 
 
 @dataclasses.dataclass(frozen=True)

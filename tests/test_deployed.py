@@ -16,7 +16,7 @@ from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import MODES, ablate, compensate, fuse, parallelize, projection
-from surgery.passes.common import Fix
+from surgery.passes import Fix
 
 IDS = np.random.default_rng(2).integers(0, 512, size=(2, 9))
 # Every graph equals its HF model to float error. int4: the builder's MatMulNBits quantize activations to int8 on

@@ -21,7 +21,7 @@ from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.export import export
 from surgery.passes import ablate, compensate, fuse, parallelize
-from surgery.passes.common import Fix
+from surgery.passes import Fix
 
 torch = pytest.importorskip("torch")
 

@@ -158,7 +158,7 @@ def test_bad_pass_options_are_one_clear_error(fixture_path):
 
 def test_normalised_branch_outputs_are_found_and_refuse_folding(tiny):
     from surgery.passes import compensate, fuse
-    from surgery.passes.common import Fix
+    from surgery.passes import Fix
 
     blocks = find_blocks(tiny.onnx)
     normalised = tiny.torch.config.model_type in ("gemma2", "olmo2")

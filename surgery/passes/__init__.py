@@ -1,19 +1,23 @@
-"""Graph passes: pure functions ir.Model -> SurgeryResult, one rewrite per module.
+"""Graph passes: per-block rewrites with typed arguments, one pass per module, run by one driver.
 
-Each module ends with `PASS = register(Pass(name, apply, switch))`; importing this package imports every
-module in it, so a new pass is one new module: the switchboard and the history know it by its name.
+Each module defines a Pass subclass and registers one instance (`register(...)`); importing this package imports
+every module in it, so a new pass is one new module: the driver, the switchboard, the history and `inspect` know
+it by its name (surgery.passes.common says what a pass declares, surgery.passes.driver what the driver does).
 """
 
 import importlib
 import pkgutil
 
-from surgery.passes.ablate import BRANCHES, MODES, ablate
-from surgery.passes.common import PASSES, Change, Fix, Pass, SurgeryResult, register
-from surgery.passes.compensate import compensate
-from surgery.passes.fuse import fuse
+from surgery.passes.ablate import BRANCHES, MODES, Ablation, ablate
+from surgery.passes.common import PASSES, Change, Pass, SurgeryResult, register
+from surgery.passes.compensate import Compensation, compensate
+from surgery.passes.driver import rewrite
+from surgery.passes.fix import Fix
+from surgery.passes.fuse import Fusion, fuse
 from surgery.passes.parallel import parallelize
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["BRANCHES", "MODES", "PASSES", "Change", "Fix", "Pass", "SurgeryResult", "compensate", "fuse", "parallelize", "ablate", "register"]
+__all__ = ["BRANCHES", "MODES", "PASSES", "Ablation", "Change", "Compensation", "Fix", "Fusion", "Pass", "SurgeryResult", "ablate",
+           "compensate", "fuse", "parallelize", "register", "rewrite"]

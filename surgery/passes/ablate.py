@@ -8,74 +8,103 @@ relative to u = resid_pre / |resid_pre|, per token:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-
 from collections.abc import Collection
+from typing import Literal, get_args
 
 import numpy as np
 import onnx_ir as ir
 
 from surgery import metadata
-from surgery.blocks import find_blocks
+from surgery.blocks import BlockMap, Branch
 from surgery.errors import SurgeryError
-from surgery.metadata import tag
-from surgery.nodes import Emitter, values_by_name
-from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, float_dtype, narrower_than_float32, node_name, record, register
+from surgery.nodes import Emitter
+from surgery.passes.common import Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
 
 NAME = "ablate"
-KEEP_SINK = "keep-sink"  # a switchboard kind's last part: tokens at position 0 keep the branch output
-BRANCHES = ("mlp", "attn")
-MODES = ("tangential", "radial", "remove", "scale")
+Mode = Literal["tangential", "radial", "remove", "scale"]
+BRANCHES: tuple[Branch, ...] = get_args(Branch)
+MODES: tuple[Mode, ...] = get_args(Mode)
 
 
-def ablate(
-    model: ir.Model, branch: str, mode: str, layers: Collection[int], scale: float | None = None, keep_sink: bool = False
-) -> SurgeryResult:
-    """Replace the selected blocks' `branch` output in the residual add by its `mode` part.
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+    """What the residual add of `branch` receives: its `mode` part (scale: `scale` times it); keep_sink: tokens at
+    position 0 (the attention sink) keep the whole branch output."""
 
-    keep_sink: tokens at position 0 (the attention sink) keep the whole branch output.
-    Idempotent: a block whose branch already went through the same edit is left alone.
-    """
-    label = _check(branch, mode, scale) + (" keep-sink" if keep_sink else "")
-    model = model.clone()  # weights are shared, not copied
-    blocks = find_blocks(model)
-    chosen = check_layers(layers, blocks)
-    values = values_by_name(model)
-    taken = set(values)
-    sink = None
-    changes = []
-    for block in blocks:
-        if block.layer not in chosen:
-            continue
+    branch: Branch
+    mode: Mode
+    scale: float | None = None
+    keep_sink: bool = False
+
+    def __post_init__(self):
+        _check(self.branch, self.mode, self.scale)
+
+    @property
+    def label(self) -> str:
+        """What the edit computes, as the graph records it: `mlp tangential`, `attn scale=0.5`."""
+        return f"{self.branch} {self.mode}" + (f"={self.scale:g}" if self.mode == "scale" else "") + (" keep-sink" if self.keep_sink else "")
+
+
+class Ablate(Pass):
+    """Replace the selected blocks' branch output in the residual add by a part of it (module docstring).
+    Idempotent: a block whose branch already went through the same edit is left alone."""
+
+    name = NAME
+    Args = Ablation
+
+    def refusal(self, subject, block: BlockMap, args: Ablation) -> str | None:
         if block.fused:
-            raise SurgeryError(
-                f"block {block.layer} is fused: attn_out and mlp_out come from one MatMul; ablate before `--fuse`"
-            )
-        out = values[block.mlp_out if branch == "mlp" else block.attn_out]
-        producer = out.producer()
-        if producer is not None and producer.metadata_props.get(metadata.EDIT) == label:
-            changes.append(Change(block.layer, f"already {label}", applied=False))
-            continue
-        ref = values[block.mlp_in if branch == "mlp" else block.resid_pre]
-        prefix = unique_name(node_name(NAME, block.layer, f"{branch}_out_{mode}"), taken)
-        if keep_sink and sink is None:
-            sink = sink_mask(model, unique_name(f"surgery/{NAME}/sink", taken))
-        nodes, new_out = edit_nodes(out, ref, mode, scale, prefix, float_dtype(model, out), sink if keep_sink else None)
-        for node in nodes:
-            tag(node, NAME, block.layer)
-        nodes[-1].metadata_props[metadata.EDIT] = label
-        model.graph.insert_after(producer, nodes)
+            return f"block {block.layer} is fused: attn_out and mlp_out come from one MatMul; ablate before `--fuse`"
+        return None
+
+    def done(self, subject, block: BlockMap, args: Ablation) -> str | None:
+        producer = subject.values[block.output(args.branch)].producer()
+        return f"already {args.label}" if producer is not None and producer.metadata_props.get(metadata.EDIT) == args.label else None
+
+    def apply(self, subject, block: BlockMap, args: Ablation) -> Change:
+        values, taken = subject.values, set(subject.values)
+        out = values[block.output(args.branch)]
+        ref = values[block.mlp_in if args.branch == "mlp" else block.resid_pre]
+        prefix = unique_name(node_name(NAME, block.layer, f"{args.branch}_out_{args.mode}"), taken)
+        sink = subject.shared("sink", lambda: sink_mask(subject.model, unique_name(f"surgery/{NAME}/sink", taken))) if args.keep_sink else None
+        nodes, new_out = edit_nodes(out, ref, args.mode, args.scale, prefix, float_dtype(subject.model, out, subject.stream), sink)
+        nodes[-1].metadata_props[metadata.EDIT] = args.label
+        subject.graph.insert_after(out.producer(), nodes)
         for user, index in list(out.uses()):
             if user.op_type == "Add" and user not in nodes:  # the residual add, not our own nodes
                 user.replace_input_with(index, new_out)
-        changes.append(Change(block.layer, label))
-    result = SurgeryResult(model, tuple(changes))
-    if result.changed_layers:
-        record(model, NAME, result.changed_layers, {"branch": branch, "mode": mode, "scale": scale, "keep_sink": keep_sink or None})
-    return result
+        return Change(block.layer, args.label)
+
+    def switch(self, board, block: BlockMap, on: ir.Value, args: Ablation) -> None:
+        """The residual add receives the edited branch output while `on`; computed only while on when board.lazy."""
+        out, ref = board.values[block.output(args.branch)], board.values[block.mlp_in if args.branch == "mlp" else block.resid_pre]
+        sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink")) if args.keep_sink else None
+        built, edited = edit_nodes(out, ref, args.mode, args.scale, board.prefix, float_dtype(board.model, out, board.dtype), sink)
+        board.choose(block, args.branch, on, built, edited, f"{board.prefix}/chosen")
+
+    def options(self, args: Ablation, layers) -> dict:
+        return {"branch": args.branch, "mode": args.mode, "scale": args.scale, "keep_sink": args.keep_sink or None}
+
+    def example(self, subject, layers) -> Ablation:
+        return Ablation("mlp", "tangential")
 
 
-def _check(branch: str, mode: str, scale: float | None) -> str:
+ABLATE = register(Ablate())
+
+
+def ablate(model, branch: Branch, mode: Mode, layers: Collection[int], scale: float | None = None, keep_sink: bool = False) -> SurgeryResult:
+    """Replace the selected blocks' `branch` output in the residual add by its `mode` part (Ablate).
+
+    keep_sink: tokens at position 0 (the attention sink) keep the whole branch output.
+    """
+    from surgery.passes.driver import rewrite
+
+    return rewrite(model, ABLATE, layers, Ablation(branch, mode, scale, keep_sink))
+
+
+def _check(branch: str, mode: str, scale: float | None) -> None:
     if branch not in BRANCHES:
         raise SurgeryError(f"unknown branch {branch!r}; use one of {', '.join(BRANCHES)}")
     if mode not in MODES:
@@ -86,7 +115,6 @@ def _check(branch: str, mode: str, scale: float | None) -> str:
         raise SurgeryError(f"--scale {scale}: give a finite factor")
     if mode != "scale" and scale is not None:
         raise SurgeryError(f"--scale only goes with mode scale, not {mode}")
-    return f"{branch} {mode}" + (f"={scale:g}" if mode == "scale" else "")
 
 
 def edit_nodes(out: ir.Value, ref: ir.Value, mode: str, scale, prefix: str, dtype, sink: ir.Value | None = None) -> tuple[list[ir.Node], ir.Value]:
@@ -159,19 +187,3 @@ def unique_name(name: str, taken: set[str]) -> str:
         candidate, i = f"{name}_{i}", i + 1
     taken.add(candidate)
     return candidate
-
-
-def switch(board, block, on: ir.Value, prefix: str, branch: str, mode: str, *options: str) -> None:
-    """In a switchboard: the residual add receives the `mode` part of `branch`'s output while `on`
-    (options (KEEP_SINK,): position 0 keeps the whole output). The edit is computed only while on when board.lazy."""
-    _check(branch, mode, None)
-    out = board.values[block.mlp_out if branch == "mlp" else block.attn_out]
-    ref = board.values[block.mlp_in if branch == "mlp" else block.resid_pre]
-    if options not in ((), (KEEP_SINK,)):
-        raise SurgeryError(f"unknown ablate switch option {options!r}; the one there is: {KEEP_SINK}")
-    sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink")) if options else None
-    built, edited = edit_nodes(out, ref, mode, None, prefix, float_dtype(board.model, out, board.dtype), sink)
-    board.choose(block, branch, on, built, edited, f"{prefix}/chosen")
-
-
-PASS = register(Pass(NAME, ablate, switch))

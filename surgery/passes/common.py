@@ -1,11 +1,24 @@
-"""What every pass shares: the contract it declares (Pass), its result, the record of what it changed, and
-how new nodes are named."""
+"""What every pass shares: the contract it declares (Pass), the record of what it changed (Change), its result,
+and how new nodes are named.
+
+A pass is a per-block rewrite with typed arguments. It declares, once, in its module:
+
+    class Parallelize(Pass):
+        name = "parallelize"
+        def apply(self, subject, block, args) -> Change: ...            # the written rewrite of one block
+        def switch(self, board, block, on, args) -> None: ...           # the same edit behind a run-time switch
+
+and registers one instance (`PARALLELIZE = register(Parallelize())`). The driver (surgery.passes.driver.rewrite)
+does the rest for every pass alike: it clones the model, checks the layers and every refusal before any work,
+applies the passes named in `before` to each block first, loops over the blocks, tags each new node with the pass
+and its block, finds the blocks again where a rewrite moved them, and records the model's history.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -16,33 +29,8 @@ from surgery.facts import stream_dtype
 from surgery.layers import checked
 
 if TYPE_CHECKING:
-    from surgery.passes.projection import Projection
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Pass:
-    """What a rewrite declares, once, at the end of its module:
-
-    name: written into the graph (node metadata, the model's history) and the first part of its switchboard kind.
-    apply: (model, ...) -> SurgeryResult, the rewrite itself (a pure function: the input is not modified).
-    switch: switch(board, block, on, prefix, *args) builds the same rewrite of one block in a switchboard, chosen
-        while the boolean `on` is true (surgery.analysis.switchboard.Board says what it can build with); None when
-        the pass offers no switch.
-    """
-
-    name: str
-    apply: Callable[..., "SurgeryResult"]
-    switch: Callable[..., None] | None = None
-
-
-PASSES: dict[str, Pass] = {}  # every pass module's Pass, by name (surgery.passes imports them all)
-
-
-def register(p: Pass) -> Pass:
-    """Make `p` known by its name: to the switchboard, and to `inspect` through the history."""
-    PASSES[p.name] = p
-    return p
+    from surgery.analysis.switchboard import Board
+    from surgery.subject import Subject
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,105 +44,64 @@ class Change:
 
 @dataclasses.dataclass(frozen=True)
 class SurgeryResult:
-    """The rewritten model (a new object; the input is untouched) and one Change per selected block."""
+    """The rewritten model (a new object; the input is untouched), one Change per selected block, and the rewritten
+    subject (its blocks as they are now: hand it to the next pass instead of the model)."""
 
     model: ir.Model
     changes: tuple[Change, ...]
+    subject: "Subject | None" = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def changed_layers(self) -> tuple[int, ...]:
         return tuple(c.layer for c in self.changes if c.applied)
 
 
-@dataclasses.dataclass(frozen=True)
-class Fix:
-    """A linear fix of a parallel block, folded into its weights: on the output side, into the output projections,
+class Pass:
+    """A per-block rewrite (module docstring). Subclasses set `name` and define `apply`; the rest is optional.
 
-        resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b
-
-    and on the input side, into the mlp's input projections (W_gate and W_up, or W_fc): the mlp reads
-    u (I + w_in) + b_in instead of u = ln2(resid_pre), a linear prediction of ln2(resid_mid), the input it had in the
-    sequential block (W <- (I + w_in) W, b <- b + b_in W). mlp_out is the output of that input-fixed mlp.
-
-    w_a, w_p, w_in: [d_model, d_model] arrays, w_p may also be a number (w_p I); None means 0.
-    packed: for MatMulNBits output projections, the codes of W_o (I + w_a) and W_down (I + w_p) as the node stores
-        them, chosen error-aware by the fit (surgery.nbits); None: a fold rounds them to nearest.
-    Fix() changes nothing; Fix.gate(alpha) is the paper's calibrated parallel block.
+    name: written into the graph (node metadata, the model's history) and how a switchboard names the pass.
+    before: the passes (by name) the driver applies to each chosen block first, with their default arguments
+        (compensate and fuse: parallelize).
+    moves_blocks: a rewrite renames stream values of other blocks: the driver finds the blocks again after each.
+    Args: the type of the pass's arguments (a frozen dataclass; NoArgs when it takes none).
     """
 
-    w_a: np.ndarray | None = None
-    w_p: np.ndarray | float | None = None
-    b: np.ndarray | None = None
-    packed: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
-    w_in: np.ndarray | None = None
-    b_in: np.ndarray | None = None
+    name: ClassVar[str]
+    before: ClassVar[tuple[str, ...]] = ()
+    moves_blocks: ClassVar[bool] = False
+    Args: ClassVar[type] = type(None)
 
-    @classmethod
-    def gate(cls, alpha: float) -> "Fix":
-        return cls(w_p=float(alpha) - 1.0)
+    def refusal(self, subject: "Subject", block: BlockMap, args: Any) -> str | None:
+        """Why `block` cannot take this rewrite (one line), or None; checked for every chosen block before any work."""
+        return None
 
-    @property
-    def is_identity(self) -> bool:
-        return (self.w_a is None and self.b is None and (self.w_p is None or (np.isscalar(self.w_p) and self.w_p == 0))
-                and not self.fixes_input)
+    def done(self, subject: "Subject", block: BlockMap, args: Any) -> str | None:
+        """Why `block` is left alone because it has the rewrite already ("already parallel"), or None."""
+        return None
 
-    @property
-    def fixes_input(self) -> bool:
-        """The fix changes what the mlp reads (w_in or b_in given)."""
-        return self.w_in is not None or self.b_in is not None
+    def apply(self, subject: "Subject", block: BlockMap, args: Any) -> Change:
+        """Rewrite `block` in subject.model (already a copy); new nodes are tagged by the driver, nodes the rewrite
+        rewires it tags itself (metadata.tag)."""
+        raise NotImplementedError
 
-    def fold(self, attn: "Projection", mlp: "Projection") -> tuple[tuple[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray | None]]:
-        """(W_o (I + w_a), b_o (I + w_a)), (W_down (I + w_p), b_down (I + w_p) + b / c), float64; a missing bias stays None
-        (b_down' is b / c alone when the mlp had no bias). c is mlp_out's scale (a residual multiplier, else 1): the
-        fix acts on the scaled outputs, c (h W_down + b_down) (I + w_p) + b = c (h W_down' + b_down'), and the
-        weights stay inside the scale."""
+    switch: ClassVar[Any] = None  # def switch(self, board, block, on, args): the edit chosen while the boolean `on`
 
-        def times(x, w):
-            return None if x is None else _times_one_plus(x, w)
+    def options(self, args: Any, layers: tuple[int, ...]) -> dict:
+        """What the model's history records of `args` for the layers changed."""
+        return {}
 
-        b_down = times(mlp.bias, self.w_p)
-        if self.b is not None:
-            b = np.asarray(self.b, np.float64) / mlp.scale
-            b_down = b if b_down is None else b_down + b
-        return (times(attn.weight, self.w_a), times(attn.bias, self.w_a)), (times(mlp.weight, self.w_p), b_down)
-
-    def fold_input(self, p: "Projection") -> tuple[np.ndarray, np.ndarray | None]:
-        """One of the mlp's input projections with the input side folded in, float64: ((I + w_in) W, b + b_in W); a
-        missing bias stays None when b_in is None."""
-        weight = p.weight.astype(np.float64)
-        bias = None if p.bias is None else p.bias.astype(np.float64)
-        if self.b_in is not None:
-            shift = np.asarray(self.b_in, np.float64) @ weight
-            bias = shift if bias is None else bias + shift
-        if self.w_in is not None:
-            weight = weight + np.asarray(self.w_in, np.float64) @ weight
-        return weight, bias
-
-    def apply(self, attn_out: np.ndarray, mlp_out: np.ndarray) -> np.ndarray:
-        """What the fix adds to the residual stream: attn_out w_a + mlp_out w_p + b ([tokens, d_model], float64)."""
-        total = np.zeros(np.shape(mlp_out), np.float64)
-        if self.w_a is not None:
-            total += np.asarray(attn_out, np.float64) @ self.w_a
-        if self.w_p is not None:
-            total += np.asarray(mlp_out, np.float64) * self.w_p if np.isscalar(self.w_p) else np.asarray(mlp_out, np.float64) @ self.w_p
-        if self.b is not None:
-            total += self.b
-        return total
-
-    def describe(self) -> str:
-        """`calibrated x0.8812` for a gate, `compensated` for a full fix (with or without an input side)."""
-        if self.w_a is None and self.b is None and (self.w_p is None or np.isscalar(self.w_p)) and not self.fixes_input:
-            return f"calibrated x{1.0 + float(self.w_p or 0.0):.4f}"
-        return "compensated"
+    def example(self, subject: "Subject", layers: Collection[int]) -> Any:
+        """Arguments that make a visible edit of `layers` (the pass contract's tests run every pass with them)."""
+        return None
 
 
-def _times_one_plus(x: np.ndarray, w: np.ndarray | float | None) -> np.ndarray:
-    x = np.asarray(x, np.float64)
-    if w is None:
-        return x
-    if np.isscalar(w):
-        return x * (1.0 + float(w))
-    return x + x @ np.asarray(w, np.float64)
+PASSES: dict[str, Pass] = {}  # every pass module's Pass, by name (surgery.passes imports them all)
+
+
+def register(p: Pass) -> Pass:
+    """Make `p` known by its name: to the driver, the switchboard, and `inspect` through the history."""
+    PASSES[p.name] = p
+    return p
 
 
 def float_dtype(model: ir.Model, value: ir.Value | None = None, stream: np.dtype | None = None) -> np.dtype:
@@ -186,5 +133,5 @@ def node_name(pass_name: str, layer: int, what: str) -> str:
 
 
 def record(model: ir.Model, pass_name: str, layers: Collection[int], options: dict) -> None:
-    """Append this pass to the model's surgery history."""
+    """Append a pass to the model's surgery history."""
     metadata.record(model, {"pass": pass_name, "layers": sorted(layers), "options": options, "version": __version__})

@@ -17,66 +17,90 @@ block that its fix folds into are read.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
 from surgery import metadata, nbits, nodes
-from surgery.blocks import BlockMap, branch_nodes, find_blocks
+from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
+from surgery.layers import checked
 from surgery.metadata import tag
 from surgery.nodes import Emitter, values_by_name
 from surgery.passes import projection
-from surgery.passes.common import Change, Fix, Pass, SurgeryResult, check_layers, node_name, record, register
-from surgery.passes.parallel import parallelize
+from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
+from surgery.passes.fix import Fix
 
 NAME = "compensate"
 
 
-def compensate(model: ir.Model, fixes: Mapping[int, Fix]) -> SurgeryResult:
-    """Make each block in `fixes` a compensated parallel block (see the module docstring).
+@dataclasses.dataclass(frozen=True, eq=False)
+class Compensation:
+    """The fix of each block, by layer. after_branch (switchboards only): the output side is added after the branch,
+    so what reads attn_out and mlp_out sees them unfixed (compensation's fit taps), instead of folded into the weights.
+    Compared by identity: a switchboard kind holding it is the one object its caller made."""
 
-    Raises SurgeryError for blocks that are fused, or parallel in the model as exported (there is
-    no sequential-to-parallel defect to fix there).
-    """
-    blocks = find_blocks(model)
-    chosen = check_layers(fixes, blocks)
-    fixes = {layer % len(blocks): fix for layer, fix in fixes.items()}
-    for block in blocks:
-        if block.layer in chosen and block.fix is None and (why := refusal(model, block)):
-            raise SurgeryError(why)
-    model = parallelize(model, chosen).model  # a copy; names of the block tensors are unchanged
-    g = model.graph
-    values = values_by_name(model)
-    parallel = {b.layer: b for b in find_blocks(model)} if any(f.fixes_input for f in fixes.values()) else {}  # ln2 reads resid_pre
-    changes = []
-    for block in blocks:
-        if block.layer not in chosen:
-            continue
-        if block.fix is not None:
-            changes.append(Change(block.layer, f"already compensated ({block.fix})", applied=False))
-            continue
-        fix, layer = fixes[block.layer], block.layer
+    fixes: Mapping[int, Fix]
+    after_branch: bool = False
+
+
+class Compensate(Pass):
+    """Make each block in the fixes a compensated parallel block (module docstring). Refuses blocks that are fused,
+    or parallel in the model as exported (there is no sequential-to-parallel defect to fix there)."""
+
+    name = NAME
+    before = (metadata.PARALLELIZE,)
+    Args = Compensation
+
+    def refusal(self, subject, block: BlockMap, args: Compensation) -> str | None:
+        return None if block.fix is not None else refusal(subject.model, block, subject.values)
+
+    def done(self, subject, block: BlockMap, args: Compensation) -> str | None:
+        return None if block.fix is None else f"already compensated ({block.fix})"
+
+    def apply(self, subject, block: BlockMap, args: Compensation) -> Change:
+        g, values, fix, layer = subject.graph, subject.values, args.fixes[block.layer], block.layer
         attn, mlp = projection.outputs(values, block, NAME)
         (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
         projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o, fix.packed[0]), node_name(NAME, layer, "o_proj"))
         out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down, fix.packed[1]), node_name(NAME, layer, "down_proj"))
-        for node in {attn.node, mlp.node, out.producer()}:
+        for node in {attn.node, mlp.node, out.producer()}:  # rewired ones too: the driver tags only new nodes
             tag(node, NAME, layer)
         mlp.node.metadata_props[metadata.FIX] = fix.describe()
         where = "W_o and W_down"
         if fix.fixes_input:
-            for i, p in enumerate(_input_side(model, parallel[layer], values)):
+            for i, p in enumerate(_input_side(subject.model, block, values)):  # block: parallel now, ln2 reads resid_pre
                 out = projection.set_weights(g, p, *projection.rounded(p, *fix.fold_input(p)), node_name(NAME, layer, f"mlp_in.{i}"))
                 for node in {p.node, out.producer()}:
                     tag(node, NAME, layer)
             where = "W_o, W_down and the mlp's input projections"
-        changes.append(Change(layer, f"parallel, {fix.describe()}: fix folded into {where}"))
-    result = SurgeryResult(model, tuple(changes))
-    if result.changed_layers:
-        record(model, NAME, result.changed_layers, {"fixes": {str(c.layer): fixes[c.layer].describe() for c in changes if c.applied}})
-    return result
+        return Change(layer, f"parallel, {fix.describe()}: fix folded into {where}")
+
+    def switch(self, board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
+        _switch(board, block, on, args)
+
+    def options(self, args: Compensation, layers) -> dict:
+        return {"fixes": {str(layer): args.fixes[layer].describe() for layer in layers}}
+
+    def example(self, subject, layers) -> Compensation:
+        rng, d = np.random.default_rng(0), subject.d_model
+        return Compensation({layer: Fix(w_a=0.05 * rng.standard_normal((d, d)), w_p=0.05 * rng.standard_normal((d, d)),
+                                        b=0.1 * rng.standard_normal(d)) for layer in layers})
+
+
+COMPENSATE = register(Compensate())
+
+
+def compensate(model, fixes: Mapping[int, Fix]) -> SurgeryResult:
+    """Make each block in `fixes` (by layer; negative ones count from the end) a compensated parallel block."""
+    from surgery.passes.driver import rewrite
+    from surgery.subject import Subject
+
+    subject = Subject.of(model)
+    fixes = {checked(layer, subject.n_layers): fix for layer, fix in fixes.items()}
+    return rewrite(subject, COMPENSATE, fixes, Compensation(fixes))
 
 
 def _input_side(model: ir.Model, block: BlockMap, values: dict[str, ir.Value]) -> list[projection.Projection]:
@@ -106,7 +130,7 @@ def redirect_readers(u: ir.Value, new: ir.Value, readers: set[ir.Node]) -> None:
             user.replace_input_with(i, new)
 
 
-def refusal(model: ir.Model, block: BlockMap) -> str | None:
+def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> str | None:
     """Why `block` cannot be compensated (fused, or parallel as exported), or None."""
     if block.fused:
         return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
@@ -117,7 +141,7 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
             f"cannot compensate block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so a fix "
             "of attn_out and mlp_out cannot be folded into W_o and W_down; parallelize it plain with --no-compensate"
         )
-    if block.is_parallel and not any(metadata.made_by(n) == metadata.PARALLELIZE for n in branch_nodes(model, block, "mlp")):
+    if block.is_parallel and not any(metadata.made_by(n) == metadata.PARALLELIZE for n in branch_nodes(model, block, "mlp", values)):
         return (
             f"cannot compensate block {block.layer}: it is parallel in the model as exported, so it has no "
             "sequential-to-parallel defect to fix; use `ablate --mode scale` to rescale a branch"
@@ -125,22 +149,37 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
     return None
 
 
-def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
-    """In a switchboard: block `layer` gets board.fixes[layer] while `on` (switch "parallelize" on too for the
-    compensated parallel block). W_o, W_down and their biases, and with an input side the mlp's input projections,
-    become Where(on, folded, original), folded as `compensate` writes them; with board.fix_after_branch the output side
-    is added after the branch instead, attn_out w_a + mlp_out w_p + b, so what reads attn_out and mlp_out sees them
-    unfixed, and the input side computed by explicit ops that the mlp's input projections read while on."""
-    fix = board.fixes.get(block.layer)
+def mlp_inputs(board, block: BlockMap) -> tuple[ir.Value, list, set[ir.Node]] | str:
+    """projection.mlp_inputs of the block in a switchboard: ln2's output u, the projections reading it and the nodes
+    reading u (or why there are no projections to fold into); found through the model as given and remembered from
+    the first call: the parallelize switch moves what ln2 reads, and a fit tap may read u later."""
+
+    def find():
+        found = projection.mlp_inputs(board.before, board.shared("before_values", lambda: values_by_name(board.before)), block)
+        if isinstance(found, str):
+            return found
+        u = board.values[found[0].name]
+        return u, projection.reading(u, block.layer), {user for user, _ in u.uses()}
+
+    return board.shared(("mlp_inputs", block.layer), find)
+
+
+def _switch(board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
+    """In a switchboard: the block gets args.fixes[layer] while `on` (switch parallelize on too for the compensated
+    parallel block). W_o, W_down and their biases, and with an input side the mlp's input projections, become
+    Where(on, folded, original), folded as `compensate` writes them; with args.after_branch the output side is added
+    after the branch instead, attn_out w_a + mlp_out w_p + b, so what reads attn_out and mlp_out sees them unfixed,
+    and the input side computed by explicit ops that the mlp's input projections read while on."""
+    fix, prefix = args.fixes.get(block.layer), board.prefix
     if fix is None or block.is_parallel:
         return
     inputs = []
     if fix.fixes_input:
-        found = board.mlp_inputs(block)
+        found = mlp_inputs(board, block)
         if isinstance(found, str):
             raise SurgeryError(f"cannot fold the mlp input side of block {block.layer}'s fix: {found}")
         u, inputs, readers = found
-    if board.fix_after_branch:
+    if args.after_branch:
         if inputs:  # the own branch's mlp reads the fixed input while on; a tap may read u itself
             e = board.emitter(f"{prefix}/mlp_in")
             redirect_readers(u, e.op("Where", [on, input_fixed(board, e, u, fix), u], "chosen"), readers)
@@ -148,7 +187,7 @@ def switch(board, block: BlockMap, on: ir.Value, prefix: str) -> None:
         fixed = _fix_added(board, Emitter(prefix, nodes=built), board.output(block, "mlp"), block, fix, prefix)
         board.choose(block, "mlp", on, built, fixed, f"{prefix}/chosen", lazy=False)
         return
-    values, e = board.values, board.emitter(prefix)
+    values, e = board.values, board.emitter()
     attn, mlp = projection.outputs(values, block, NAME)
     sides = list(zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")))
     sides += [(p, fix.fold_input(p), None, f"mlp_in.{i}") for i, p in enumerate(inputs)]
@@ -208,5 +247,3 @@ def _fix_added(board, e: Emitter, current: ir.Value, block: BlockMap, fix: Fix, 
         total = e.op("Add", [total, board.weight(f"{prefix}/b", np.asarray(fix.b, dtype))], "plus_b")
     return total
 
-
-PASS = register(Pass(NAME, compensate, switch))

@@ -14,6 +14,7 @@ each ln become one MatMulNBits, [o ; down] another.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 
 import numpy as np
@@ -21,49 +22,67 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from surgery import metadata, nbits, nodes
-from surgery.blocks import BlockMap, block_norms, branch_nodes, find_blocks
+from surgery.blocks import BlockMap, block_norms, branch_nodes
 from surgery.errors import SurgeryError
 from surgery.metadata import tag
 from surgery.nodes import Emitter, values_by_name
 from surgery.passes import projection
-from surgery.passes.common import Change, Fix, Pass, SurgeryResult, check_layers, narrower_than_float32, node_name, record, register
-from surgery.passes.parallel import parallelize
+from surgery.passes.common import Change, Pass, SurgeryResult, narrower_than_float32, node_name, register
+from surgery.passes.fix import Fix
 
 NAME = metadata.FUSE  # find_blocks tells a fused block by it
 
 
-def fuse(model: ir.Model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None) -> SurgeryResult:
-    """Rewrite each selected block into the fused parallel form; sequential blocks are parallelized first.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fusion:
+    """Per layer, a linear fix folded into [W_o ; W_down] and the output bias (see compensate): the compensated, or
+    with Fix.gate(alpha) the calibrated, fused parallel block; a layer without one is fused plain."""
 
-    fixes: per layer, a linear fix folded into [W_o ; W_down] and the output bias (see compensate):
-    the compensated, or with Fix.gate(alpha) the calibrated, parallel block.
-    """
-    fixes = dict(fixes or {})
-    blocks = find_blocks(model)
-    chosen = check_layers(layers, blocks)
-    for block in blocks:
-        if block.layer in chosen and (why := refusal(model, block)) is not None:
-            raise SurgeryError(why)
-    parallel = parallelize(model, chosen)
-    model = parallel.model  # already a copy
-    changes = []
-    for layer in sorted(chosen):
-        block = find_blocks(model)[layer]  # afresh: fusing a block renames the next block's resid_pre
-        if block.fused:
-            changes.append(Change(layer, "already fused", applied=False))
-            continue
-        _fuse_block(model, block, values_by_name(model), fixes.get(layer, Fix()))
-        RemoveUnusedNodesPass()(model)  # the old ln, projections and residual adds
-        model.graph.sort()
-        changes.append(Change(layer, "one normalisation, [q|k|v|mlp in] and [o ; mlp out] MatMuls"))
-    result = SurgeryResult(model, tuple(changes))
-    if result.changed_layers:
-        fixed = {str(k): v.describe() for k, v in sorted(fixes.items()) if k in result.changed_layers and not v.is_identity}
-        record(model, NAME, result.changed_layers, {"fixes": fixed} if fixed else {})
-    return result
+    fixes: Mapping[int, Fix] = dataclasses.field(default_factory=dict)
 
 
-def refusal(model: ir.Model, block: BlockMap) -> str | None:
+class Fuse(Pass):
+    """Rewrite each selected block into the fused parallel form (module docstring); sequential blocks are
+    parallelized first."""
+
+    name = NAME
+    before = (metadata.PARALLELIZE,)
+    moves_blocks = True  # fusing a block renames the next block's resid_pre
+    Args = Fusion
+
+    def refusal(self, subject, block: BlockMap, args: Fusion | None) -> str | None:
+        return refusal(subject.model, block, subject.values)
+
+    def done(self, subject, block: BlockMap, args: Fusion | None) -> str | None:
+        return "already fused" if block.fused else None
+
+    def apply(self, subject, block: BlockMap, args: Fusion | None) -> Change:
+        fixes = args.fixes if args is not None else {}
+        _fuse_block(subject.model, block, subject.values, fixes.get(block.layer, Fix()))
+        RemoveUnusedNodesPass()(subject.model)  # the old ln, projections and residual adds
+        subject.graph.sort()
+        return Change(block.layer, "one normalisation, [q|k|v|mlp in] and [o ; mlp out] MatMuls")
+
+    def options(self, args: Fusion | None, layers) -> dict:
+        fixes = args.fixes if args is not None else {}
+        fixed = {str(k): v.describe() for k, v in sorted(fixes.items()) if k in layers and not v.is_identity}
+        return {"fixes": fixed} if fixed else {}
+
+    def example(self, subject, layers) -> Fusion:
+        return Fusion()
+
+
+FUSE = register(Fuse())
+
+
+def fuse(model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None) -> SurgeryResult:
+    """Rewrite each selected block into the fused parallel form (Fuse); `fixes`: see Fusion."""
+    from surgery.passes.driver import rewrite
+
+    return rewrite(model, FUSE, layers, Fusion(dict(fixes or {})))
+
+
+def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> str | None:
     """Why `block` cannot be fused, or None; read from the graph before any work (no weight is loaded)."""
     if block.fused:
         return None  # fuse says it is already fused
@@ -74,10 +93,10 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
             f"cannot fuse block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so attn_out "
             "and mlp_out cannot come from one [o ; down] MatMul; parallelize it without --fuse"
         )
-    values = values_by_name(model)
+    values = values if values is not None else values_by_name(model)
     try:
         ln1, ln2 = block_norms(model, block, values)
-        if _quantized(model, block):
+        if _quantized(model, block, values):
             if (why := _nbits_refusal(block, values, ln1, ln2)) is not None:
                 return why
         else:
@@ -94,8 +113,8 @@ def refusal(model: ir.Model, block: BlockMap) -> str | None:
     return None
 
 
-def _quantized(model: ir.Model, block: BlockMap) -> bool:
-    return any(n.op_type == nbits.OP for branch in ("attn", "mlp") for n in branch_nodes(model, block, branch))
+def _quantized(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> bool:
+    return any(n.op_type == nbits.OP for branch in ("attn", "mlp") for n in branch_nodes(model, block, branch, values))
 
 
 def _readers(source: ir.Value) -> list[tuple[ir.Node, int]]:
@@ -135,7 +154,7 @@ def _nbits_refusal(block: BlockMap, values: dict[str, ir.Value], ln1, ln2) -> st
 
 
 def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
-    if _quantized(model, block):
+    if _quantized(model, block, values):
         return _fuse_nbits_block(model, block, values, fix)
     g, layer = model.graph, block.layer
     ln1, ln2 = block_norms(model, block, values)
@@ -302,5 +321,3 @@ def _normalize(op, const, x, ln, d_model: int, np_dtype):
     n = op("Div", [wide, rms], "norm")
     return op("Cast", [n], "norm_" + np_dtype.name, to=ir.DataType.from_numpy(np_dtype)) if narrow else n
 
-
-PASS = register(Pass(NAME, fuse))  # no switch: a fused block is not one the switchboard can turn off

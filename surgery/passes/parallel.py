@@ -2,44 +2,56 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import onnx_ir as ir
 
 from surgery import metadata
-from surgery.blocks import branch_nodes, find_blocks
+from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
 from surgery.metadata import tag
-from surgery.nodes import values_by_name
-from surgery.passes.common import Change, Pass, SurgeryResult, check_layers, node_name, record, register
+from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
 
 NAME = metadata.PARALLELIZE  # saving splits the sums of the blocks it rewired
 
 
-def parallelize(model: ir.Model, layers: Collection[int]) -> SurgeryResult:
+class Parallelize(Pass):
     """Make each selected sequential block parallel: its mlp branch reads resid_pre instead of resid_mid.
 
-    Nothing else changes: the residual adds, attention and the KV cache are untouched. Blocks that
-    are already parallel are reported and left alone.
-    """
-    model = model.clone()  # weights are shared, not copied
-    blocks = find_blocks(model)
-    chosen = check_layers(layers, blocks)
-    values = values_by_name(model)
-    changes = []
-    for block in blocks:
-        if block.layer not in chosen:
-            continue
+    Nothing else changes: the residual adds, attention and the KV cache are untouched. Blocks that are already
+    parallel are reported and left alone."""
+
+    name = NAME
+
+    def done(self, subject, block: BlockMap, args) -> str | None:
+        return "already parallel" if block.is_parallel else None
+
+    def apply(self, subject, block: BlockMap, args) -> Change:
+        values = subject.values
+        mlp = branch_nodes(subject.model, block, "mlp", values)
+        redirect(subject.graph, mlp, values[block.resid_mid], values[block.resid_pre], block.layer)
+        subject.replace(dataclasses.replace(block, resid_mid=None, mlp_in=block.resid_pre))
+        return Change(block.layer, "ln2 reads resid_pre")
+
+    def switch(self, board, block: BlockMap, on: ir.Value, args) -> None:
+        """ln2 reads resid_pre while `on`, resid_mid while off."""
         if block.is_parallel:
-            changes.append(Change(block.layer, "already parallel", applied=False))
-            continue
-        mlp = branch_nodes(model, block, "mlp", values)
-        redirect(model.graph, mlp, values[block.resid_mid], values[block.resid_pre], block.layer)
-        changes.append(Change(block.layer, "ln2 reads resid_pre"))
-    result = SurgeryResult(model, tuple(changes))
-    if result.changed_layers:
-        record(model, NAME, result.changed_layers, {})
-    return result
+            return
+        mid, pre = board.values[block.resid_mid], board.values[block.resid_pre]
+        mlp = branch_nodes(board.model, block, "mlp", board.values)
+        chosen = board.emitter().op("Where", [on, pre, mid], "mlp_in")
+        redirect(board.graph, mlp, mid, chosen, block.layer, "switchboard")
+
+
+PARALLELIZE = register(Parallelize())
+
+
+def parallelize(model, layers: Collection[int]) -> SurgeryResult:
+    """Make each selected sequential block parallel (Parallelize): resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""
+    from surgery.passes.driver import rewrite
+
+    return rewrite(model, PARALLELIZE, layers)
 
 
 def redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value, layer: int, pass_name: str = NAME) -> None:
@@ -76,16 +88,3 @@ def redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value
                 f"cannot parallelize block {layer}: node {node.name!r} ({node.op_type}) feeds both ln2 and the "
                 "residual add; report this graph shape"
             )
-
-
-def switch(board, block, on: ir.Value, prefix: str) -> None:
-    """In a switchboard: ln2 reads resid_pre while `on`, resid_mid while off."""
-    if block.is_parallel:
-        return
-    mid, pre = board.values[block.resid_mid], board.values[block.resid_pre]
-    mlp = branch_nodes(board.model, block, "mlp", board.values)
-    chosen = board.emitter(prefix).op("Where", [on, pre, mid], "mlp_in")
-    redirect(board.graph, mlp, mid, chosen, block.layer, "switchboard")
-
-
-PASS = register(Pass(NAME, parallelize, switch))

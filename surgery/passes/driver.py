@@ -1,0 +1,69 @@
+"""The one driver every pass runs through: rewrite(model, pass, layers, args) -> SurgeryResult.
+
+It clones the model (weights are shared, not copied), checks the layers and every refusal before any work, and for
+each chosen block in order applies the passes the pass names in `before` and then the pass itself: a block that has
+a rewrite already is reported and left alone (Pass.done), each new node is tagged with the pass and its block, and
+the blocks are found again after a pass that moves them. Each pass that changed a block appends to the model's
+history. Passes compose through it: compensate and fuse parallelize first; the main job chains fuse after
+compensate by handing the first result's subject to the second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import onnx_ir as ir
+
+from surgery.errors import SurgeryError
+from surgery.metadata import PASS, tag
+from surgery.passes.common import PASSES, Change, Pass, SurgeryResult, check_layers, record
+from surgery.subject import Subject
+
+
+def rewrite(model: "ir.Model | Subject", p: Pass | str, layers: Collection[int], args: Any = None) -> SurgeryResult:
+    """Apply pass `p` (or its name) with `args` to the blocks `layers` (negative ones count from the end) of a copy of
+    `model`; the input is not modified.
+
+    Raises:
+        SurgeryError: a chosen block the pass (or one it runs first) refuses, before any work.
+    """
+    p = _named(p)
+    subject = Subject.of(model).clone()
+    chosen = sorted(check_layers(layers, subject.blocks))
+    chain = [(_named(name), None) for name in p.before] + [(p, args)]
+    for layer in chosen:
+        for q, q_args in chain:
+            if (why := q.refusal(subject, subject.blocks[layer], q_args)) is not None:
+                raise SurgeryError(why)
+    changes: dict[str, list[Change]] = {q.name: [] for q, _ in chain}
+    for layer in chosen:
+        for q, q_args in chain:
+            changes[q.name].append(_apply(subject, q, layer, q_args))
+    for q, q_args in chain:
+        done = tuple(c.layer for c in changes[q.name] if c.applied)
+        if done:
+            record(subject.model, q.name, done, q.options(q_args, done))
+    return SurgeryResult(subject.model, tuple(changes[p.name]), subject)
+
+
+def _apply(subject: Subject, p: Pass, layer: int, args: Any) -> Change:
+    """One pass on one block: left alone when it has the rewrite already, else applied and its new nodes tagged."""
+    block = subject.blocks[layer]
+    if (why := p.done(subject, block, args)) is not None:
+        return Change(layer, why, applied=False)
+    before = set(subject.graph)
+    change = p.apply(subject, block, args)
+    for node in subject.graph:
+        if node not in before and PASS not in node.metadata_props:
+            tag(node, p.name, layer)
+    subject.changed(blocks=p.moves_blocks)
+    return change
+
+
+def _named(p: Pass | str) -> Pass:
+    if isinstance(p, Pass):
+        return p
+    if p not in PASSES:
+        raise SurgeryError(f"no pass named {p!r}; the passes are {', '.join(sorted(PASSES))}")
+    return PASSES[p]

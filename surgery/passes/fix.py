@@ -1,0 +1,102 @@
+"""Fix: a linear fix of a parallel block's defect, as the compensate and fuse passes fold it into the weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from surgery.passes.projection import Projection
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """A linear fix of a parallel block, folded into its weights: on the output side, into the output projections,
+
+        resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b
+
+    and on the input side, into the mlp's input projections (W_gate and W_up, or W_fc): the mlp reads
+    u (I + w_in) + b_in instead of u = ln2(resid_pre), a linear prediction of ln2(resid_mid), the input it had in the
+    sequential block (W <- (I + w_in) W, b <- b + b_in W). mlp_out is the output of that input-fixed mlp.
+
+    w_a, w_p, w_in: [d_model, d_model] arrays, w_p may also be a number (w_p I); None means 0.
+    packed: for MatMulNBits output projections, the codes of W_o (I + w_a) and W_down (I + w_p) as the node stores
+        them, chosen error-aware by the fit (surgery.nbits); None: a fold rounds them to nearest.
+    Fix() changes nothing; Fix.gate(alpha) is the paper's calibrated parallel block.
+    """
+
+    w_a: np.ndarray | None = None
+    w_p: np.ndarray | float | None = None
+    b: np.ndarray | None = None
+    packed: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+    w_in: np.ndarray | None = None
+    b_in: np.ndarray | None = None
+
+    @classmethod
+    def gate(cls, alpha: float) -> "Fix":
+        return cls(w_p=float(alpha) - 1.0)
+
+    @property
+    def is_identity(self) -> bool:
+        return (self.w_a is None and self.b is None and (self.w_p is None or (np.isscalar(self.w_p) and self.w_p == 0))
+                and not self.fixes_input)
+
+    @property
+    def fixes_input(self) -> bool:
+        """The fix changes what the mlp reads (w_in or b_in given)."""
+        return self.w_in is not None or self.b_in is not None
+
+    def fold(self, attn: "Projection", mlp: "Projection") -> tuple[tuple[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray | None]]:
+        """(W_o (I + w_a), b_o (I + w_a)), (W_down (I + w_p), b_down (I + w_p) + b / c), float64; a missing bias stays None
+        (b_down' is b / c alone when the mlp had no bias). c is mlp_out's scale (a residual multiplier, else 1): the
+        fix acts on the scaled outputs, c (h W_down + b_down) (I + w_p) + b = c (h W_down' + b_down'), and the
+        weights stay inside the scale."""
+
+        def times(x, w):
+            return None if x is None else _times_one_plus(x, w)
+
+        b_down = times(mlp.bias, self.w_p)
+        if self.b is not None:
+            b = np.asarray(self.b, np.float64) / mlp.scale
+            b_down = b if b_down is None else b_down + b
+        return (times(attn.weight, self.w_a), times(attn.bias, self.w_a)), (times(mlp.weight, self.w_p), b_down)
+
+    def fold_input(self, p: "Projection") -> tuple[np.ndarray, np.ndarray | None]:
+        """One of the mlp's input projections with the input side folded in, float64: ((I + w_in) W, b + b_in W); a
+        missing bias stays None when b_in is None."""
+        weight = p.weight.astype(np.float64)
+        bias = None if p.bias is None else p.bias.astype(np.float64)
+        if self.b_in is not None:
+            shift = np.asarray(self.b_in, np.float64) @ weight
+            bias = shift if bias is None else bias + shift
+        if self.w_in is not None:
+            weight = weight + np.asarray(self.w_in, np.float64) @ weight
+        return weight, bias
+
+    def apply(self, attn_out: np.ndarray, mlp_out: np.ndarray) -> np.ndarray:
+        """What the fix adds to the residual stream: attn_out w_a + mlp_out w_p + b ([tokens, d_model], float64)."""
+        total = np.zeros(np.shape(mlp_out), np.float64)
+        if self.w_a is not None:
+            total += np.asarray(attn_out, np.float64) @ self.w_a
+        if self.w_p is not None:
+            total += np.asarray(mlp_out, np.float64) * self.w_p if np.isscalar(self.w_p) else np.asarray(mlp_out, np.float64) @ self.w_p
+        if self.b is not None:
+            total += self.b
+        return total
+
+    def describe(self) -> str:
+        """`calibrated x0.8812` for a gate, `compensated` for a full fix (with or without an input side)."""
+        if self.w_a is None and self.b is None and (self.w_p is None or np.isscalar(self.w_p)) and not self.fixes_input:
+            return f"calibrated x{1.0 + float(self.w_p or 0.0):.4f}"
+        return "compensated"
+
+
+def _times_one_plus(x: np.ndarray, w: np.ndarray | float | None) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    if w is None:
+        return x
+    if np.isscalar(w):
+        return x * (1.0 + float(w))
+    return x + x @ np.asarray(w, np.float64)
