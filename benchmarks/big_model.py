@@ -1,6 +1,6 @@
 """A >= 4 GB Llama-shaped model end to end: peak RSS and seconds of inspect, parallelize and ablate.
 
-    python benchmarks/big_model.py [--gb 4.2] [--dir out] [--fit-windows 2] [--seq-len 64]
+    python benchmarks/big_model.py [--gb 4.2] [--dir out] [--fit-windows 2] [--seq-len 64] [--repeats 1]
 
 Builds graphs/big_decoder.py's decoder (TinyLlama-1.1B shapes, random weights streamed to external
 data) with at least --gb GB (1e9 bytes) of weights in a temporary folder under --dir, runs each

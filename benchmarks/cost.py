@@ -2,6 +2,7 @@
 moved, memory and seconds, from a few rates measured on this machine.
 
     python benchmarks/cost.py                                   # measure the rates, project 135M, 1.1B, 8B, 70B
+    python benchmarks/cost.py --shapes smollm2-135m,llama-3-8b  # only these shapes (names in SHAPES below)
     python benchmarks/cost.py --validate SHAPE:LAYERS:RUN ...   # predicted vs measured, one row per part of each run
     python benchmarks/cost.py --run KIND:SHAPE:LAYERS:MODEL ... --runs out/cost-runs   # the same, interleaved
 

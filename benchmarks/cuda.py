@@ -2,7 +2,7 @@
 synthetic ~1B Llama-shaped model, prefill (batch x 512) and decode (1 token after a cache of 512)
 at batch 1 and 8, IO binding, repeats interleaved across the four graphs; one table of ratios.
 
-    python benchmarks/cuda.py [--models smollm2,synthetic] [--batches 1,8] [--seq-len 512] [--repeats 20]
+    python benchmarks/cuda.py [--models smollm2,synthetic] [--batches 1,8] [--seq-len 512] [--repeats 20] [--warmup 5]
                               [--smollm2-layers 4,6-8,15,22-23,25,28-29] [--synthetic-layers all] [--fit-windows 32]
     python benchmarks/cuda.py --smoke     # CPU, tiny models, a few repeats: checks the script, measures nothing
 

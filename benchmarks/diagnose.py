@@ -352,7 +352,7 @@ def sections(folder, args) -> None:
     print(table(rows, list(rows[0])))
     rho = report["defect"]["spearman"]
     print(f"\nSpearman with the single-layer parallel dNLL (evaluation windows): C_l {rho['c']:.3f}, C_l^stream {rho['c_stream']:.3f} "
-          "(more one-pass scores: benchmarks/predictor.py)")
+          "(more one-pass scores: benchmarks/RESULTS.md, \"One-pass predictors\")")
     if old:
         rows = []
         same_method = "converged" in old["critical"]["layers"][0]  # a report of this critical-point search

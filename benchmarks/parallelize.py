@@ -1,6 +1,6 @@
 """The headline: SmolLM2-135M original vs auto-parallel, plain / alpha-calibrated / compensated / compensated + fused.
 
-    python benchmarks/parallelize.py [--budgets 0.02,0.05] [--repeats 20] [--fit-windows 32] [--windows 8]
+    python benchmarks/parallelize.py [--budgets 0.02,0.05] [--repeats 20] [--seq-len 256] [--fit-windows 32] [--windows 8]
                                      [--eval-windows 8] [--all-layers] [--device auto] [--threads N]
 
 Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy

@@ -1,6 +1,6 @@
 """ONNX Runtime perplexity vs the HF torch model on the same SmolLM2-135M windows: loss difference and wall time.
 
-    python benchmarks/perplexity.py [--windows 16] [--seq-len 256]
+    python benchmarks/perplexity.py [--windows 16] [--seq-len 256] [--batch-size 1]
 """
 
 from __future__ import annotations
