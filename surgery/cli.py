@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -11,6 +12,7 @@ import os
 import signal
 import sys
 import warnings
+from inspect import signature
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,12 +23,8 @@ from rich.table import Table
 
 from surgery.errors import SurgeryError
 
-app = typer.Typer(
-    help="Find, rewrite and measure the transformer blocks of exported ONNX language models.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+app = typer.Typer(help="Find, rewrite and measure the transformer blocks of exported ONNX language models.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 # Piped output is not wrapped, so tensor names stay whole for grep; a terminal folds long names.
 out = Console(width=None if sys.stdout.isatty() else 10_000)
 err = Console(stderr=True)
@@ -38,15 +36,17 @@ _QUIET_ENV = {  # what the libraries we call read to stay quiet; set before they
     "TQDM_DISABLE": "1",  # GGUF de-quantization bars
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
-_verbose = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the options before the command set, for every command: typer's `ctx.obj`."""
+    verbose: bool
 
 
 @app.callback()
-def _options(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show what the libraries underneath print (transformers, optimum, torch, Ray).")] = False,
-) -> None:
-    global _verbose
-    _verbose = verbose
+def _options(ctx: typer.Context, verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show what the libraries underneath print (transformers, optimum, torch, Ray).")] = False) -> None:
+    ctx.obj = Settings(verbose=verbose)
     if not verbose:
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
@@ -55,64 +55,78 @@ def _options(
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _command(fn):
-    """Register a command whose failures a user can cause become one line, `error: ...` on stderr, and
-    exit code 1: SurgeryError, a full disk or a refused write, Ctrl-C or SIGTERM (outputs are written whole
-    or not at all, so an interrupted command leaves nothing behind)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            _check_counts(kwargs)
-            if fn.__name__ in _RUNS_ORT:
-                from surgery.runtime import clashing_builds
-
-                if clash := clashing_builds():
-                    err.print(f"[bold yellow]warning:[/] {escape(clash)}", highlight=False, soft_wrap=True)
-            return fn(*args, **kwargs)
-        except SurgeryError as e:
-            _fail(str(e))
-        except KeyboardInterrupt:
-            _fail("interrupted; nothing partial was left behind (outputs appear whole or not at all)")
-        except OSError as e:
-            from surgery.output import explain
-
-            line = explain(e)
-            if line is None:
-                raise
-            _fail(line)
-
-    return app.command()(wrapper)
+@dataclasses.dataclass(frozen=True)
+class AtLeast:
+    """`Annotated[int, typer.Option(...), AtLeast(1)]`: the least a whole-number option may be, checked before any work."""
+    least: int
 
 
-_RUNS_ORT = {"parallelize", "evaluate", "diagnose"}
-# Whole-number options, by parameter name, and the least each may be; checked before any work.
-_AT_LEAST = {
-    "fit_windows": 1, "windows": 1, "eval_windows": 1, "stride": 1, "batch_size": 1, "critical_seeds": 1,
-    "repeats": 1, "warmup": 0, "latency_batch": 1, "threads": 1, "workers": 1,
-    "max_layers": 1, "patience": 0, "protect_first": 0, "protect_last": 0, "opset": 1,
-}
+def counts(fn) -> dict[str, tuple[str, int]]:
+    """The AtLeast options of a command function: parameter name -> (--flag, least)."""
+    found = {}
+    for name, param in signature(fn, eval_str=True).parameters.items():
+        extras = getattr(param.annotation, "__metadata__", ())
+        for at_least in (x for x in extras if isinstance(x, AtLeast)):
+            declared = [d for x in extras if isinstance(x, typer.models.OptionInfo) for d in x.param_decls if d.startswith("--")]
+            found[name] = (declared[0] if declared else f"--{name.replace('_', '-')}", at_least.least)
+    return found
 
 
-def _check_counts(options: dict) -> None:
-    for name, least in _AT_LEAST.items():
+# --help's option groups (rich_help_panel=), named once so a group reads the same in every command.
+SOURCE, GRAPH, REWRITE, MEASURE, BUDGET, FIT = "Source", "Graph", "What to rewrite", "What to measure", "Budget (--layers auto)", "Fit"
+DATA, RUNTIME, LATENCY, CLUSTER, OUTPUT = "Data", "Runtime", "Latency", "Ray cluster", "Output"
+
+
+def _command(example: str, *, runs_ort: bool = False):
+    """Register a command, `example` (a real invocation) under its help, whose failures a user can cause are one line,
+    `error: ...` on stderr, and exit code 1: SurgeryError, a count below its AtLeast, a full disk or a refused write, Ctrl-C
+    or SIGTERM (outputs are written whole or not at all). `runs_ort`: first warn when two ORT builds are installed."""
+
+    def register(fn):
+        least = counts(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            signal.signal(signal.SIGTERM, _interrupt)
+            try:
+                _check_counts(least, kwargs)
+                if runs_ort:
+                    from surgery.runtime import clashing_builds
+
+                    if clash := clashing_builds():
+                        err.print(f"[bold yellow]warning:[/] {escape(clash)}", highlight=False, soft_wrap=True)
+                return fn(*args, **kwargs)
+            except SurgeryError as e:
+                _fail(str(e))
+            except KeyboardInterrupt:
+                _fail("interrupted; nothing partial was left behind (outputs appear whole or not at all)")
+            except OSError as e:
+                from surgery.output import explain
+
+                if (line := explain(e)) is None:
+                    raise
+                _fail(line)
+
+        return app.command(epilog=f"Example: {example}")(wrapper)
+
+    return register
+
+
+def _check_counts(least: dict[str, tuple[str, int]], options: dict) -> None:
+    for name, (flag, at_least) in least.items():
         value = options.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < least:
-            raise SurgeryError(f"--{name.replace('_', '-')} {value}: give a whole number of at least {least}")
+        if isinstance(value, int) and not isinstance(value, bool) and value < at_least:
+            raise SurgeryError(f"{flag} {value}: give a whole number of at least {at_least}")
 
 
 def _max_windows(text: str) -> int | None:
     """--max-windows: a whole number of at least 1, or `all` (None)."""
     if text.strip().lower() == "all":
         return None
-    try:
-        count = int(text)
-    except ValueError:
-        count = None
-    if count is None or count < 1:
-        raise SurgeryError(f"--max-windows {text}: give a whole number of at least 1, or `all`")
-    return count
+    with contextlib.suppress(ValueError):
+        if int(text) >= 1:
+            return int(text)
+    raise SurgeryError(f"--max-windows {text}: give a whole number of at least 1, or `all`")
 
 
 def _interrupt(signum, frame):
@@ -140,32 +154,30 @@ def _progress():
         yield tell
 
 
-@_command
+@_command("surgery export smollm2-135m -o out/smollm2")
 def export(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="Hub id, local HF folder, .gguf file, or `smollm2-135m` (bundled).")],
-    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to create for model.onnx, config and tokenizer.")],
-    past: Annotated[bool, typer.Option("--past/--no-past", help="Export the KV-cache graph (optimum only).")] = True,
-    gguf_file: Annotated[Optional[str], typer.Option(help="GGUF file inside SOURCE's folder or hub repository.")] = None,
-    opset: Annotated[Optional[int], typer.Option(help="ONNX opset; the exporter's default when unset.")] = None,
-    exporter: Annotated[str, typer.Option(help="`optimum` (KV cache, ORTModelForCausalLM) or `dynamo` (torch.onnx).")] = "optimum",
-    validate: Annotated[bool, typer.Option(help="Compare ONNX Runtime with torch after export (optimum).")] = False,
-    dtype: Annotated[str, typer.Option(help="`fp32`, or `fp16` (float16 weights, activations and KV cache).")] = "fp32",
+    gguf_file: Annotated[Optional[str], typer.Option(help="GGUF file inside SOURCE's folder or hub repository.", rich_help_panel=SOURCE)] = None,
+    exporter: Annotated[str, typer.Option(help="`optimum` (KV cache, ORTModelForCausalLM) or `dynamo` (torch.onnx).", rich_help_panel=GRAPH)] = "optimum",
+    past: Annotated[bool, typer.Option("--past/--no-past", help="Export the KV-cache graph (optimum only).", rich_help_panel=GRAPH)] = True,
+    dtype: Annotated[str, typer.Option(help="`fp32`, or `fp16` (float16 weights, activations and KV cache).", rich_help_panel=GRAPH)] = "fp32",
+    opset: Annotated[Optional[int], typer.Option(help="ONNX opset; the exporter's default when unset.", rich_help_panel=GRAPH), AtLeast(1)] = None,
+    validate: Annotated[bool, typer.Option(help="Compare ONNX Runtime with torch after export (optimum).", rich_help_panel=GRAPH)] = False,
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to create for model.onnx, config and tokenizer.", rich_help_panel=OUTPUT)] = ...,
 ) -> None:
     """Export a Hugging Face causal LM to an ONNX folder that optimum and ONNX Runtime can run."""
     from surgery.export import export as run_export
 
-    with contextlib.redirect_stdout(sys.stderr if _verbose else io.StringIO()):  # exporters print progress; stdout is for results
+    with contextlib.redirect_stdout(sys.stderr if ctx.obj.verbose else io.StringIO()):  # exporters print progress; stdout is for results
         result = run_export(source, out_dir, past=past, gguf_file=gguf_file, opset=opset, exporter=exporter, validate=validate, dtype=dtype)
     kv = ("with KV cache" if result.past else "no KV cache") + (", float16" if result.dtype == "fp16" else "")
     tok = "" if result.has_tokenizer else " (no usable tokenizer in the source: give evaluate and parallelize --tokenizer)"
-    out.print(
-        f"exported {result.model_type}, {result.n_layers} layers, {kv}, by {result.exporter} "
-        f"in {result.seconds:.1f} s -> {result.folder}{tok}",
-        highlight=False,
-    )
+    out.print(f"exported {result.model_type}, {result.n_layers} layers, {kv}, by {result.exporter} "
+              f"in {result.seconds:.1f} s -> {result.folder}{tok}", highlight=False)
 
 
-@_command
+@_command("surgery inspect out/smollm2")
 def inspect(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts and block map as JSON.")] = False,
@@ -181,9 +193,7 @@ def inspect(
     other_inputs = [t for t in facts.inputs if t not in kv_inputs]
     kv_outputs = [t for t in facts.outputs if t.name.startswith("present")]
     other_outputs = [t for t in facts.outputs if t not in kv_outputs]
-    size = f"{facts.size_bytes / 2**20:.1f} MiB"
-    if facts.external_data:
-        size += f" (external data: {', '.join(facts.external_data)})"
+    size = f"{facts.size_bytes / 2**20:.1f} MiB" + (f" (external data: {', '.join(facts.external_data)})" if facts.external_data else "")
     lines = [
         ("model", facts.path),
         ("blocks", f"{facts.n_layers} {facts.form}"),
@@ -191,12 +201,8 @@ def inspect(
         ("vocab", str(facts.vocab or "?")),
         ("inputs", ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in other_inputs)),
         ("outputs", ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in other_outputs)),
-        (
-            "KV cache",
-            f"yes: {len(kv_inputs)} past inputs {kv_inputs[0].shape}, {len(kv_outputs)} present outputs"
-            if facts.kv_cache and kv_inputs
-            else ("yes" if facts.kv_cache else "no"),
-        ),
+        ("KV cache", f"yes: {len(kv_inputs)} past inputs {kv_inputs[0].shape}, {len(kv_outputs)} present outputs"
+                     if facts.kv_cache and kv_inputs else ("yes" if facts.kv_cache else "no")),
         ("opset", f"{facts.opset} (IR {facts.ir_version}, by {facts.producer})"),
         ("size", size),
         ("surgery", "; ".join(_history_line(h) for h in facts.history) or "none"),
@@ -207,61 +213,52 @@ def inspect(
     for column in ("layer", "form", "ln", "mlp", "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
         table.add_column(column, overflow="fold")
     for b in facts.blocks:
-        table.add_row(
-            str(b.layer), f"{b.form} ({b.fix})" if b.fix else b.form, b.ln_kind, b.mlp_kind, b.resid_pre, b.attn_out, b.resid_mid or "-", b.mlp_out, b.resid_post
-        )
+        table.add_row(str(b.layer), f"{b.form} ({b.fix})" if b.fix else b.form, b.ln_kind, b.mlp_kind, b.resid_pre, b.attn_out,
+                      b.resid_mid or "-", b.mlp_out, b.resid_post)
     out.print(table)
 
 
-@_command
+@_command("surgery parallelize out/smollm2 -o out/smollm2-parallel", runs_ort=True)
 def parallelize(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
-    out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).")],
-    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `auto` (chosen by defect score and measured dNLL), `all`, or e.g. `3-7,12`, `-1`.")] = "auto",
-    compensate: Annotated[Optional[bool], typer.Option("--compensate/--no-compensate", help="Fold a least-squares fix of each block's defect into W_o and W_down (default: on for auto, off for explicit --layers).")] = None,
-    calibrate: Annotated[bool, typer.Option("--calibrate", help="Fix each block with the paper's scalar gate alpha_l instead of the least-squares fix.")] = False,
-    fuse: Annotated[bool, typer.Option("--fuse", help="One normalisation and two MatMuls per block, ln scales folded into the weights.")] = False,
-    max_kl: Annotated[str, typer.Option(help="auto: largest mean token KL vs the original (nats, selection windows) the chosen set may cost; `none`: no limit.")] = "0.05",
-    max_loss_increase: Annotated[str, typer.Option(help="auto: largest dNLL (nats, selection windows) the chosen set may cost; `none`: no limit. Both limits must hold.")] = "0.02",
-    max_layers: Annotated[Optional[int], typer.Option(help="auto: choose at most this many blocks.")] = None,
-    patience: Annotated[int, typer.Option(help="auto: stop after this many candidates in a row miss the budget; 0 tries every one.")] = 6,
-    protect_first: Annotated[int, typer.Option(help="auto: never choose the first N blocks.")] = 0,
-    protect_last: Annotated[int, typer.Option(help="auto: never choose the last N blocks.")] = 0,
-    score: Annotated[Optional[str], typer.Option(help="auto: ranking score, `c_comp` (default when compensating), `c_stream` (default otherwise) or `c`.")] = None,
-    try_both_forms: Annotated[bool, typer.Option("--try-both-forms", help="auto: try every candidate compensated and plain and keep the better (twice the trials).")] = False,
-    refit: Annotated[bool, typer.Option("--refit", help="auto: refit the chosen blocks' fixes with all chosen blocks in place; kept if the selection KL (dNLL when only that is limited) drops.")] = False,
-    data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
-    fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.")] = 64,
-    fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the available memory. Fewer bytes, more passes over the fit windows.")] = "auto",
-    input_fix: Annotated[bool, typer.Option("--input-fix/--no-input-fix", help="A compensated block's mlp also reads a least-squares prediction of its sequential input, ln2(resid_pre) (I + W_in) + b_in, folded into W_gate and W_up (plain float projections only; one more fit pass).")] = True,
-    requantize: Annotated[str, typer.Option(help="Int4 / int8 (MatMulNBits) weights a fix is folded into: `gptq` chooses their codes error-aware on the fit's input statistics, `nearest` rounds them; both keep the node's scales.")] = "gptq",
-    windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).")] = 16,
-    eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.")] = 8,
-    latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.")] = True,
-    repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.")] = 20,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
-    workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').")] = None,
-    ray: Annotated[Optional[str], typer.Option("--ray", help="auto: run the fit pass and the selection trials on the Ray cluster at ADDRESS.")] = None,
-    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`; with --workers / --ray, where the actors run (cuda: one GPU each).")] = "auto",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `auto` (chosen by defect score and measured dNLL), `all`, or e.g. `3-7,12`, `-1`.", rich_help_panel=REWRITE)] = "auto",
+    compensate: Annotated[Optional[bool], typer.Option("--compensate/--no-compensate", help="Fold a least-squares fix of each block's defect into W_o and W_down (default: on for auto, off for explicit --layers).", rich_help_panel=REWRITE)] = None,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Fix each block with the paper's scalar gate alpha_l instead of the least-squares fix.", rich_help_panel=REWRITE)] = False,
+    fuse: Annotated[bool, typer.Option("--fuse", help="One normalisation and two MatMuls per block, ln scales folded into the weights.", rich_help_panel=REWRITE)] = False,
+    max_kl: Annotated[str, typer.Option(help="auto: largest mean token KL vs the original (nats, selection windows) the chosen set may cost; `none`: no limit.", rich_help_panel=BUDGET)] = "0.05",
+    max_loss_increase: Annotated[str, typer.Option(help="auto: largest dNLL (nats, selection windows) the chosen set may cost; `none`: no limit. Both limits must hold.", rich_help_panel=BUDGET)] = "0.02",
+    max_layers: Annotated[Optional[int], typer.Option(help="auto: choose at most this many blocks.", rich_help_panel=BUDGET), AtLeast(1)] = None,
+    patience: Annotated[int, typer.Option(help="auto: stop after this many candidates in a row miss the budget; 0 tries every one.", rich_help_panel=BUDGET), AtLeast(0)] = 6,
+    protect_first: Annotated[int, typer.Option(help="auto: never choose the first N blocks.", rich_help_panel=BUDGET), AtLeast(0)] = 0,
+    protect_last: Annotated[int, typer.Option(help="auto: never choose the last N blocks.", rich_help_panel=BUDGET), AtLeast(0)] = 0,
+    score: Annotated[Optional[str], typer.Option(help="auto: ranking score, `c_comp` (default when compensating), `c_stream` (default otherwise) or `c`.", rich_help_panel=BUDGET)] = None,
+    try_both_forms: Annotated[bool, typer.Option("--try-both-forms", help="auto: try every candidate compensated and plain and keep the better (twice the trials).", rich_help_panel=BUDGET)] = False,
+    refit: Annotated[bool, typer.Option("--refit", help="auto: refit the chosen blocks' fixes with all chosen blocks in place; kept if the selection KL (dNLL when only that is limited) drops.", rich_help_panel=BUDGET)] = False,
+    input_fix: Annotated[bool, typer.Option("--input-fix/--no-input-fix", help="A compensated block's mlp also reads a least-squares prediction of its sequential input, ln2(resid_pre) (I + W_in) + b_in, folded into W_gate and W_up (plain float projections only; one more fit pass).", rich_help_panel=FIT)] = True,
+    requantize: Annotated[str, typer.Option(help="Int4 / int8 (MatMulNBits) weights a fix is folded into: `gptq` chooses their codes error-aware on the fit's input statistics, `nearest` rounds them; both keep the node's scales.", rich_help_panel=FIT)] = "gptq",
+    fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.", rich_help_panel=FIT), AtLeast(1)] = 64,
+    fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the available memory. Fewer bytes, more passes over the fit windows.", rich_help_panel=FIT)] = "auto",
+    data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.", rich_help_panel=DATA)] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.", rich_help_panel=DATA)] = 256,
+    windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).", rich_help_panel=DATA), AtLeast(1)] = 16,
+    eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.", rich_help_panel=DATA), AtLeast(1)] = 8,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)] = None,
+    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`; with --workers / --ray, where the actors run (cuda: one GPU each).", rich_help_panel=RUNTIME)] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)] = None,
+    latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.", rich_help_panel=LATENCY)] = True,
+    repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.", rich_help_panel=LATENCY), AtLeast(1)] = 20,
+    workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="auto: run the fit pass and the selection trials on the Ray cluster at ADDRESS.", rich_help_panel=CLUSTER)] = None,
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).", rich_help_panel=OUTPUT)] = ...,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
-    from surgery import compensation, rewrite, runtime, select
+    from surgery import rewrite, select
 
     explicit = layers.strip().lower() != "auto"
-    if explicit and (workers or ray):
-        raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
-    fit = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
-    options = runtime.Options(threads=threads, device=device)
-    if device not in runtime.DEVICES or not (workers or ray):  # with Ray, the actors' device is the cluster's (cluster.pool)
-        runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable: one line before any work
-    budget = select.Budget.parse(max_kl, max_loss_increase)
-    fit_memory = compensation.memory_bound(fit_memory)  # a size that is not one: one line before any work
-    if requantize not in compensation.REQUANTIZE:
-        raise SurgeryError(f"--requantize {requantize!r}: choose one of {', '.join(compensation.REQUANTIZE)}")
+    fit, options, budget, fit_memory = _parallelize_settings(explicit, compensate, calibrate, threads, device, workers, ray,
+                                                             max_kl, max_loss_increase, fit_memory, requantize)
     if explicit:
         _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit=fit, fused=fuse, corpus=data, seq_len=seq_len,
                                                  fit_windows=fit_windows, tokenizer=tokenizer, options=options, fit_memory=fit_memory,
@@ -275,15 +272,38 @@ def parallelize(
             tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray, fit_memory=fit_memory, requantize=requantize,
             input_side=input_fix,
         )
-    sel = outcome.selection
-    for layer, why in sel.uncompensated.items():
+    for layer, why in outcome.selection.uncompensated.items():
         err.print(f"[bold yellow]warning:[/] block {layer} was written plain parallel: its fix could not be made ({escape(why)})",
                   highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps({"out": str(written), **outcome.to_json()}, indent=2))
         return
+    for key, value in _selection_lines(outcome, written, budget, repeats):
+        out.print(f"[bold]{key:>17}[/]  {escape(value)}", highlight=False)
+
+
+def _parallelize_settings(explicit, compensate, calibrate, threads, device, workers, ray, max_kl, max_loss_increase, fit_memory, requantize):
+    """parallelize's options as the library takes them: fit, runtime options, budget, fit memory; a wrong one fails first."""
+    from surgery import compensation, rewrite, runtime, select
+
+    if explicit and (workers or ray):
+        raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
+    fit = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
+    options = runtime.Options(threads=threads, device=device)
+    if device not in runtime.DEVICES or not (workers or ray):  # with Ray, the actors' device is the cluster's (cluster.pool)
+        runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable
+    budget = select.Budget.parse(max_kl, max_loss_increase)
+    fit_memory = compensation.memory_bound(fit_memory)
+    if requantize not in compensation.REQUANTIZE:
+        raise SurgeryError(f"--requantize {requantize!r}: choose one of {', '.join(compensation.REQUANTIZE)}")
+    return fit, options, budget, fit_memory
+
+
+def _selection_lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]:
+    """parallelize --layers auto's report, (key, value) lines: what was chosen, what it cost, what it gives."""
     from surgery.layers import format_layers
 
+    sel = outcome.selection
     forms = sel.counts()
     codes = {"gptq": "codes chosen error-aware", "nearest": "codes rounded to nearest"}.get(sel.requantize)
     split = f": {forms['compensated']} compensated{f' (MatMulNBits {codes})' if codes else ''}, {forms['plain']} plain" if sel.fit else ""
@@ -315,22 +335,19 @@ def parallelize(
         lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
     split = ", ".join(f"{k} {v:.0f} s" for k, v in sel.fit_seconds.items())
     seconds = ", ".join(f"{k} {v:.0f} s" + (f" ({split})" if k == "fit" and split else "") for k, v in sel.seconds.items())
-    lines.append(("time", seconds))
-    lines.append(("written", f"{written} (+ selection.json)"))
-    for key, value in lines:
-        out.print(f"[bold]{key:>17}[/]  {escape(value)}", highlight=False)
+    return lines + [("time", seconds), ("written", f"{written} (+ selection.json)")]
 
 
-@_command
+@_command("surgery ablate out/smollm2 --branch mlp --mode tangential --layers 0-2 -o out/smollm2-tangential")
 def ablate(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
-    out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).")],
-    branch: Annotated[str, typer.Option(help="`mlp` or `attn`: whose output the residual add receives in part.")] = "mlp",
-    mode: Annotated[str, typer.Option(help="`tangential`, `radial`, `remove` or `scale` (with --scale).")] = "tangential",
-    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.")] = "all",
-    scale: Annotated[Optional[float], typer.Option(help="Factor for --mode scale.")] = None,
-    keep_sink: Annotated[bool, typer.Option("--keep-sink", help="Tokens at position 0 (the attention sink) keep the whole branch output.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.")] = False,
+    branch: Annotated[str, typer.Option(help="`mlp` or `attn`: whose output the residual add receives in part.", rich_help_panel=REWRITE)] = "mlp",
+    mode: Annotated[str, typer.Option(help="`tangential`, `radial`, `remove` or `scale` (with --scale).", rich_help_panel=REWRITE)] = "tangential",
+    layers: Annotated[str, typer.Option(help="Blocks to rewrite: `all`, or e.g. `3-7,12`, `-1`.", rich_help_panel=REWRITE)] = "all",
+    scale: Annotated[Optional[float], typer.Option(help="Factor for --mode scale.", rich_help_panel=REWRITE)] = None,
+    keep_sink: Annotated[bool, typer.Option("--keep-sink", help="Tokens at position 0 (the attention sink) keep the whole branch output.", rich_help_panel=REWRITE)] = False,
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).", rich_help_panel=OUTPUT)] = ...,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Keep only the tangential or radial part of a branch's output, remove it, or scale it."""
     from surgery.passes import ablate as edit
@@ -353,23 +370,23 @@ def _print_changes(result, written: Path, as_json: bool) -> None:
     out.print(f"{len(result.changed_layers)} of {len(result.changes)} selected blocks changed -> {written}", highlight=False)
 
 
-@_command
+@_command("surgery evaluate out/smollm2 out/smollm2-parallel --max-windows 32", runs_ort=True)
 def evaluate(
     models: Annotated[list[Path], typer.Argument(help="ONNX files or folders; the first is the baseline for dNLL and ratios.")],
-    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl (`text` field) file; the built-in pydoc topics when unset.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window (BOS included) and per latency prefill.")] = 256,
-    stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts; seq-len when unset.")] = None,
-    max_windows: Annotated[str, typer.Option(help="Score at most this many windows, evenly spaced over the part; `all`: every one.")] = "16",
-    part: Annotated[str, typer.Option(help="Corpus part: `evaluation` (default), `calibration` or `all`.")] = "evaluation",
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass when scoring.")] = 1,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the first model.")] = None,
-    latency: Annotated[bool, typer.Option("--latency/--no-latency", help="Also time prefill and decode.")] = True,
-    latency_batch: Annotated[int, typer.Option(help="Sequences per latency run.")] = 1,
-    repeats: Annotated[int, typer.Option(help="Timed runs per graph, interleaved across graphs.")] = 20,
-    warmup: Annotated[int, typer.Option(help="Untimed runs per graph first.")] = 3,
-    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
-    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.")] = "auto",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl (`text` field) file; the built-in pydoc topics when unset.", rich_help_panel=DATA)] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window (BOS included) and per latency prefill.", rich_help_panel=DATA)] = 256,
+    stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts; seq-len when unset.", rich_help_panel=DATA), AtLeast(1)] = None,
+    max_windows: Annotated[str, typer.Option(help="Score at most this many windows, evenly spaced over the part; `all`: every one.", rich_help_panel=DATA)] = "16",
+    part: Annotated[str, typer.Option(help="Corpus part: `evaluation` (default), `calibration` or `all`.", rich_help_panel=DATA)] = "evaluation",
+    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the first model.", rich_help_panel=DATA)] = None,
+    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.", rich_help_panel=RUNTIME)] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)] = None,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass when scoring.", rich_help_panel=RUNTIME), AtLeast(1)] = 1,
+    latency: Annotated[bool, typer.Option("--latency/--no-latency", help="Also time prefill and decode.", rich_help_panel=LATENCY)] = True,
+    latency_batch: Annotated[int, typer.Option(help="Sequences per latency run.", rich_help_panel=LATENCY), AtLeast(1)] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed runs per graph, interleaved across graphs.", rich_help_panel=LATENCY), AtLeast(1)] = 20,
+    warmup: Annotated[int, typer.Option(help="Untimed runs per graph first.", rich_help_panel=LATENCY), AtLeast(0)] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side."""
     from surgery import evaluate as ev
@@ -393,23 +410,16 @@ def evaluate(
             table.add_column(column, justify="right")
     for row in rows:
         low_high = row["dnll_interval"]
-        cells = [
-            row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}",
-            "-" if low_high is None else escape(report.interval(low_high)),
-        ]
+        cells = [row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}",
+                 "-" if low_high is None else escape(report.interval(low_high))]
         if row["kl"] is None:
             cells += ["-"] * 4
         else:
             cells += [f"{row['kl']:.4f}", escape(f"[{row['kl_interval'][0]:.4f}, {row['kl_interval'][1]:.4f}]"),
                       f"{row['kl_p99']:.4f}", f"{100 * row['top1_agreement']:.1f} %"]
         if latency:
-            cells += [
-                escape(row["placement"]),
-                f"{row['prefill_ms']:.2f}",
-                "-" if row["decode_ms"] is None else f"{row['decode_ms']:.2f}",
-                f"{row['prefill_ratio']:.3f}",
-                "-" if row["decode_ratio"] is None else f"{row['decode_ratio']:.3f}",
-            ]
+            cells += [escape(row["placement"]), f"{row['prefill_ms']:.2f}", "-" if row["decode_ms"] is None else f"{row['decode_ms']:.2f}",
+                      f"{row['prefill_ratio']:.3f}", "-" if row["decode_ratio"] is None else f"{row['decode_ratio']:.3f}"]
         table.add_row(*cells)
     out.print(table)
     if latency:
@@ -418,22 +428,22 @@ def evaluate(
         out.print("KL = mean token KL(first || this), nats; top-1 = positions whose most likely next token agrees with the first's", highlight=False)
 
 
-@_command
+@_command("surgery diagnose out/smollm2 -o out/smollm2-report --only defect,gate", runs_ort=True)
 def diagnose(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
-    report_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md, report.html and PNG plots.")],
-    only: Annotated[str, typer.Option(help="Comma-separated subset of deficit,diversity,defect,gate,critical,prefix,ablation.")] = "all",
-    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl file; the built-in pydoc topics when unset.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
-    windows: Annotated[int, typer.Option(help="Calibration windows for the scores and the fix behind C_comp (which needs 2 or more).")] = 4,
-    eval_windows: Annotated[int, typer.Option(help="Evaluation windows for the losses (dNLL, ablations).")] = 4,
-    critical_seeds: Annotated[int, typer.Option(help="Data seeds per layer for the critical-point search.")] = 4,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.")] = None,
-    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.")] = "auto",
-    workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').")] = None,
-    ray: Annotated[Optional[str], typer.Option("--ray", help="Score the windows on the Ray cluster at ADDRESS (one actor per CPU).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    only: Annotated[str, typer.Option(help="Comma-separated subset of deficit,diversity,defect,gate,critical,prefix,ablation.", rich_help_panel=MEASURE)] = "all",
+    critical_seeds: Annotated[int, typer.Option(help="Data seeds per layer for the critical-point search.", rich_help_panel=MEASURE), AtLeast(1)] = 4,
+    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl file; the built-in pydoc topics when unset.", rich_help_panel=DATA)] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.", rich_help_panel=DATA)] = 256,
+    windows: Annotated[int, typer.Option(help="Calibration windows for the scores and the fix behind C_comp (which needs 2 or more).", rich_help_panel=DATA), AtLeast(1)] = 4,
+    eval_windows: Annotated[int, typer.Option(help="Evaluation windows for the losses (dNLL, ablations).", rich_help_panel=DATA), AtLeast(1)] = 4,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)] = None,
+    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.", rich_help_panel=RUNTIME)] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="Score the windows on the Ray cluster at ADDRESS (one actor per CPU).", rich_help_panel=CLUSTER)] = None,
+    report_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md, report.html and PNG plots.", rich_help_panel=OUTPUT)] = ...,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
     from surgery import output, report, runtime
@@ -443,11 +453,8 @@ def diagnose(
     sections = SECTIONS if only.strip() == "all" else tuple(s.strip() for s in only.split(",") if s.strip())
     output.check(report_dir)
     with _progress() as tell:
-        result = run(
-            model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections,
-            critical_seeds=critical_seeds, tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell,
-            workers=workers, ray=ray,
-        )
+        result = run(model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections, critical_seeds=critical_seeds,
+                     tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell, workers=workers, ray=ray)
     folder = report.write(result, report_dir)
     if as_json:
         print(json.dumps(report.summary(result), indent=2))
@@ -459,14 +466,8 @@ def diagnose(
     intervals = summary.pop("ablation_all_layers_interval", {})
     for key, value in summary.items():
         if key == "ablation_all_layers":  # each dNLL with its 95 % paired bootstrap interval
-            cells = []
-            for branch, modes in value.items():
-                shown = []
-                for mode, x in modes.items():
-                    ci = intervals.get(branch, {}).get(mode)
-                    shown.append(f"{mode} {report.with_interval(x, ci)}")
-                cells.append(f"{branch} " + ", ".join(shown))
-            value = "; ".join(cells)
+            value = "; ".join(f"{branch} " + ", ".join(f"{mode} {report.with_interval(x, intervals.get(branch, {}).get(mode))}" for mode, x in modes.items())
+                              for branch, modes in value.items())
         elif isinstance(value, dict):
             value = ", ".join(f"{k} {v if not isinstance(v, dict) else {m: round(x, 4) for m, x in v.items()}}" for k, v in value.items())
         elif isinstance(value, float):
@@ -488,10 +489,8 @@ def _short_names(paths: list[Path]) -> list[str]:
 
 
 def _history_line(entry: dict) -> str:
-    layers = entry.get("layers")
-    options = {k: v for k, v in (entry.get("options") or {}).items() if v is not None}
-    extra = " ".join(f"{k}={v}" for k, v in options.items())
-    return f"{entry.get('pass', '?')} layers={layers} {extra}".strip()
+    extra = " ".join(f"{k}={v}" for k, v in (entry.get("options") or {}).items() if v is not None)
+    return f"{entry.get('pass', '?')} layers={entry.get('layers')} {extra}".strip()
 
 
 if __name__ == "__main__":

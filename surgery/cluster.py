@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -183,35 +184,30 @@ def _gpu_share(device: str, gpus: float, actors: int) -> float:
     return min(1.0, gpus / actors)
 
 
-_HOLDER = None
-
-
 def _on_this_host(error: SurgeryError) -> SurgeryError:
     return SurgeryError(f"on the Ray worker at {socket.gethostname()}: {error}")
 
 
+@functools.cache
 def _holder():
-    """The Ray actor class, made on first use (importing ray is slow, and optional)."""
-    global _HOLDER
-    if _HOLDER is None:
-        import ray
+    """The Ray actor class, made on first use (importing ray is slow, and optional) and the same class after."""
+    import ray
 
-        @ray.remote(num_cpus=1)
-        class Holder:
-            def __init__(self, portable: runtime.Portable, make):
-                try:
-                    self.obj, self.failed = make(portable.load()), None
-                except SurgeryError as e:  # raised again at the first call, where the driver reads it (an actor that died could not say why)
-                    self.obj, self.failed = None, _on_this_host(e)
+    @ray.remote(num_cpus=1)
+    class Holder:
+        def __init__(self, portable: runtime.Portable, make):
+            try:
+                self.obj, self.failed = make(portable.load()), None
+            except SurgeryError as e:  # raised again at the first call, where the driver reads it (an actor that died could not say why)
+                self.obj, self.failed = None, _on_this_host(e)
 
-            def call(self, method: str, args: tuple, common: dict):
-                if self.failed is not None:
-                    raise self.failed
-                args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)  # Remote.share's values
-                try:
-                    return getattr(self.obj, method)(*args, **common)
-                except SurgeryError as e:
-                    raise _on_this_host(e) from None
+        def call(self, method: str, args: tuple, common: dict):
+            if self.failed is not None:
+                raise self.failed
+            args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)  # Remote.share's values
+            try:
+                return getattr(self.obj, method)(*args, **common)
+            except SurgeryError as e:
+                raise _on_this_host(e) from None
 
-        _HOLDER = Holder
-    return _HOLDER
+    return Holder

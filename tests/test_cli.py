@@ -146,3 +146,77 @@ def test_evaluate_scores_every_window_of_the_part_with_max_windows_all(fixture_p
     assert result.exit_code == 0, result.output
     every = data.windows(fixture_path("llama"), seq_len=32, part="evaluation")
     assert json.loads(result.stdout)["windows"]["count"] == len(every) > 16
+
+
+def _commands():
+    import typer
+
+    return typer.main.get_command(app).commands
+
+
+def _count_options():
+    """(command, --flag, least) of every AtLeast option, read from the commands themselves."""
+    from surgery.cli import counts
+
+    return [(name, flag, least) for name, command in sorted(_commands().items()) for flag, least in counts(command.callback).values()]
+
+
+def test_the_count_options_are_found_where_they_are_declared():
+    found = {(name, flag) for name, flag, _ in _count_options()}
+    assert {("parallelize", "--fit-windows"), ("parallelize", "--patience"), ("evaluate", "--warmup"), ("export", "--opset")} <= found
+    assert len(found) == 22
+
+
+@pytest.mark.parametrize("name,flag,least", _count_options())
+def test_each_count_option_below_its_least_is_one_line_and_exit_1(tmp_path, fixture_path, name, flag, least):
+    """A new count option is covered here by declaring its AtLeast; the check runs before any work."""
+    out = tmp_path / "out"
+    command = _commands()[name]
+    args = [name, "smollm2-135m" if name == "export" else str(fixture_path("llama"))]
+    args += ["-o", str(out)] if any("--out" in p.opts for p in command.params) else []
+    result = runner.invoke(app, [*args, flag, str(least - 1)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == f"error: {flag} {least - 1}: give a whole number of at least {least}\n"
+    assert result.stdout == "" and not out.exists()
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_each_command_shows_an_example_its_own_options_read(name):
+    import shlex
+
+    command = _commands()[name]
+    example = command.epilog.removeprefix("Example: ")
+    words = shlex.split(example)
+    assert words[:2] == ["surgery", name]
+    command.make_context(name, words[2:])  # unknown options, or values of the wrong type, raise here
+    result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and example in result.stdout
+
+
+@pytest.mark.parametrize("name", ["inspect", "ablate"])
+def test_the_quick_examples_run_on_a_tiny_model(tmp_path, fixture_path, name):
+    """`out/smollm2` is the README's export; the tiny llama stands in for it."""
+    import shlex
+
+    words = shlex.split(_commands()[name].epilog.removeprefix("Example: "))[1:]
+    args = [str(fixture_path("llama")) if w == "out/smollm2" else str(tmp_path / w) if w.startswith("out/") else w for w in words]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+
+
+def test_verbose_reaches_the_command_through_typer_s_context(monkeypatch, tmp_path):
+    """`surgery --verbose export ...` lets the exporters' progress through to stderr; without it they are silenced."""
+    import surgery.export
+    from surgery.errors import SurgeryError
+
+    def fake_export(source, out_dir, **options):
+        print("exporter progress")
+        raise SurgeryError("stop here")
+
+    monkeypatch.setattr(surgery.export, "export", fake_export)
+    quiet = runner.invoke(app, ["export", "smollm2-135m", "-o", str(tmp_path / "x")])
+    loud = runner.invoke(app, ["--verbose", "export", "smollm2-135m", "-o", str(tmp_path / "x")])
+    assert quiet.exit_code == loud.exit_code == 1
+    assert "exporter progress" not in quiet.output
+    assert "exporter progress" in loud.stderr and loud.stdout == ""
