@@ -446,7 +446,7 @@ class BranchTimes:
 
 
 def branch_times(
-    model: ir.Model, *, batch: int = 1, seq_len: int = 256, runs: int = 5, seed: int = 0, options: runtime.Options = runtime.Options()
+    model, *, batch: int = 1, seq_len: int = 256, runs: int = 5, seed: int = 0, options: runtime.Options = runtime.Options()
 ) -> BranchTimes:
     """Profile prefill with ONNX Runtime's profiler (basic optimisations keep node names) and add each
     node's kernel time to its block's branch. Nodes that several blocks share (mask, rotary) count
@@ -454,13 +454,15 @@ def branch_times(
     that latency() with the same options measures (CUDA when usable, for auto). On CUDA a node's time is
     what ORT's profiler records, the host side of its kernel (launch, and any wait on the device): ORT's pip
     build has no CUPTI for device times."""
-    from surgery.blocks import branch_nodes, find_blocks
+    from surgery.blocks import branch_nodes
+    from surgery.subject import Subject
 
-    blocks = find_blocks(model)
+    subject = Subject.of(model)
+    model, blocks = subject.model, subject.blocks
     owner: dict[str, tuple[int, str] | None] = {}
     for block in blocks:
         for branch in ("attn", "mlp"):
-            for node in branch_nodes(model, block, branch):
+            for node in branch_nodes(model, block, branch, subject.values):
                 owner[node.name] = (block.layer, branch) if node.name not in owner else None
     with tempfile.TemporaryDirectory() as tmp:
         sess = runtime.session(model, dataclasses.replace(options, optimization="basic", profile=str(Path(tmp) / "profile")))

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from surgery import graph, metadata, ops
-from surgery.blocks import BlockMap, find_blocks
+from surgery.blocks import BlockMap
 from surgery.errors import SurgeryError
 
 
@@ -48,9 +48,11 @@ class ModelFacts:
 
 def describe(path: str | Path) -> ModelFacts:
     """Load the model at `path` (weights stay on disk) and gather its facts and block map."""
+    from surgery.subject import Subject
+
     file = graph.resolve(path)
     model = graph.load(file)
-    blocks = find_blocks(model, where=str(file))
+    blocks = Subject(model, str(file)).blocks
     forms = {b.form for b in blocks}
     table = embedding_table(model)
     return ModelFacts(

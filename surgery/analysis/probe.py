@@ -10,10 +10,11 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from surgery import defect, nodes, runtime
-from surgery.blocks import branch_nodes, find_blocks
+from surgery.blocks import branch_nodes
 from surgery.errors import SurgeryError
 from surgery.facts import stream_dtype
 from surgery.nodes import values_by_name
+from surgery.subject import Subject
 
 TENSORS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 
@@ -26,10 +27,11 @@ class Probe:
     outputs: tuple[dict[str, str], ...]
 
 
-def probe(model: ir.Model, tensors=TENSORS, twin: bool = True) -> Probe:
+def probe(model: "ir.Model | Subject", tensors=TENSORS, twin: bool = True) -> Probe:
     """Tap the blocks' tensors and, with `twin`, add each sequential block's mlp(ln2(resid_pre))."""
-    blocks = find_blocks(model)
-    model = model.clone()
+    subject = Subject.of(model)
+    blocks = subject.blocks
+    model = subject.model.clone()
     values = values_by_name(model)
     outputs = []
     for block in blocks:
