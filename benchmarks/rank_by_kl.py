@@ -16,7 +16,7 @@ import time
 
 from common import ROOT, smollm2
 
-from surgery import compensation, data, evaluate, graph, select
+from surgery import compensation, data, evaluate, graph, select, trials
 from surgery.analysis import switchboard as board_graph
 from surgery.compensation import KINDS
 
@@ -35,11 +35,11 @@ def main() -> None:
     scorer = evaluate.Scorer(board_graph.switchboard(model, KINDS, fixes), compare=True)
     ranking = selection.take(range(args.windows))
     reference: list = []
-    scorer(ranking, batch_size=select.BATCH, extra={board_graph.SWITCHES: board_graph.switches(KINDS, n)}, record=reference)
+    scorer(ranking, batch_size=trials.BATCH, extra={board_graph.SWITCHES: board_graph.switches(KINDS, n)}, record=reference)
     kl = {}
     for layer in fixes:
         on = {board_graph.SWITCHES: board_graph.switches(KINDS, n, {KINDS[0]: {layer}, KINDS[1]: {layer}})}
-        kl[layer] = evaluate.divergence(scorer(ranking, batch_size=select.BATCH, extra=on, reference=reference)).kl
+        kl[layer] = evaluate.divergence(scorer(ranking, batch_size=trials.BATCH, extra=on, reference=reference)).kl
     print(f"fit and {len(kl)} single-block trials: {time.perf_counter() - start:.0f} s")
     print("by KL:    ", sorted(kl, key=kl.get))
     print("by c_comp:", sorted(fixes, key=lambda l: fits[l].c_comp))

@@ -1,4 +1,4 @@
-"""What a resumed selection trial costs against one from block 0: select.Trials on the main job's 16 selection
+"""What a resumed selection trial costs against one from block 0: trials.Trials on the main job's 16 selection
 windows of SmolLM2-135M, each start timed three times, interleaved (benchmarks/cost.py prices a trial as the head
 plus the blocks from its start on).
 
@@ -12,8 +12,9 @@ import time
 
 from common import main_job_windows, smollm2
 
-from surgery import cluster, graph, runtime, select
+from surgery import cluster, graph, runtime
 from surgery.blocks import find_blocks
+from surgery.trials import Trials
 
 
 def main() -> None:
@@ -25,8 +26,8 @@ def main() -> None:
     model = graph.load(folder)
     _, selection, _ = main_job_windows(folder)
     n = len(find_blocks(model))
-    resumed = select.Trials(model, {}, selection, list(range(n)), cluster.Pool(), runtime.Options())
-    whole = select.Trials(model, {}, selection, list(range(n)), cluster.Pool(), runtime.Options(), baseline=resumed)  # never resumes
+    resumed = Trials(model, {}, selection, list(range(n)), cluster.Pool(), runtime.Options())
+    whole = Trials(model, {}, selection, list(range(n)), cluster.Pool(), runtime.Options(), baseline=resumed)  # never resumes
     runs = [("from block 0", resumed, None), ("plain switchboard, from block 0", whole, None)]
     runs += [(f"from block {b}", resumed, b) for b in (int(x) for x in args.starts.split(","))]
     for r in range(args.rounds):

@@ -45,7 +45,7 @@ def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
     """A trial that adds block l starts at block l from the accepted set's stream; its KL, top-1 and dNLL are those
     of the written graph of the whole set, scored from block 0, whatever was accepted before it."""
     from surgery import cluster, compensation
-    from surgery.select import Trials
+    from surgery.trials import Trials
 
     path = fixture_path("llama")
     model = graph.load(path)
