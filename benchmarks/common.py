@@ -57,7 +57,7 @@ def drift_refit(model, fit_windows, chosen, fixes: dict, stream: dict) -> dict:
 def kl_score(model, layers, fixes, windows) -> str:
     """KL, top-1 agreement and dNLL of `model` with `layers` compensated by `fixes`, against `model`, on `windows`."""
     from surgery import evaluate
-    from surgery.select import rewrite
+    from surgery.job import rewrite
 
     base, after = evaluate.compare([model, rewrite(model, layers, fixes=fixes).model], windows)
     kl = evaluate.divergence(after)

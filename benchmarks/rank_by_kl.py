@@ -16,7 +16,7 @@ import time
 
 from common import ROOT, smollm2
 
-from surgery import compensation, data, evaluate, graph, select, trials
+from surgery import compensation, data, evaluate, graph, job, trials
 from surgery.analysis import switchboard as board_graph
 from surgery.compensation import KINDS
 
@@ -45,7 +45,7 @@ def main() -> None:
     print("by c_comp:", sorted(fixes, key=lambda l: fits[l].c_comp))
     ranked = {l: dataclasses.replace(f, c_comp=kl.get(l, f.c_comp)) for l, f in fits.items()}
     compensation.fit = lambda *a, **k: ranked  # the main job's greedy, in the KL order
-    outcome, _ = select.auto(folder, ROOT / "out" / "rank-by-kl", measure_latency=False)
+    outcome, _ = job.auto(folder, ROOT / "out" / "rank-by-kl", measure_latency=False)
     s, ev = outcome.selection, outcome.divergence_eval
     print(f"kept {list(s.layers)}: selection KL {s.divergence.kl:.4f}, dNLL {s.dnll.dnll:+.4f}; "
           f"held out KL {ev} top-1 {100 * ev.top1:.1f} %, dNLL {outcome.dnll_eval}")

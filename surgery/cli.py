@@ -249,7 +249,7 @@ def parallelize(
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
-    from surgery import compensation, rewrite, runtime, select
+    from surgery import compensation, job, rewrite, runtime, select
 
     explicit = layers.strip().lower() != "auto"
     if explicit and (workers or ray):
@@ -268,7 +268,7 @@ def parallelize(
                                                  requantize=requantize, input_side=input_fix), as_json)
         return
     with _progress() as tell:
-        outcome, written = select.auto(
+        outcome, written = job.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
             fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
