@@ -15,10 +15,10 @@ from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
 from surgery.passes.fuse import refusal as fuse_refusal
-from surgery.select import Progress, Selection, select_layers
+from surgery.select import Fit, Progress, Selection, select_layers
 
 
-def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=64,
+def fit_fixes(model: ir.Model, model_path, layers, *, fit: Fit = "full", corpus=None, seq_len=256, fit_windows=64,
               tokenizer=None, options=runtime.Options(), fit_memory: int | str | None = None, requantize: str = "gptq",
               input_side: bool = True) -> dict[int, Fix]:
     """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers).
@@ -79,7 +79,7 @@ def auto(
     windows: int = 16,
     fit_windows: int = 64,
     eval_windows: int = 8,
-    fit: str | None = "full",
+    fit: Fit | None = "full",
     fused: bool = False,
     measure_latency: bool = True,
     repeats: int = 20,

@@ -23,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import typing
 from collections.abc import Callable
+from typing import Literal
 
 import onnx_ir as ir
 
 from surgery import cluster, compensation, evaluate, runtime
 from surgery.analysis.probe import defect_scores
-from surgery.blocks import find_blocks
+from surgery.blocks import BlockMap, find_blocks
 from surgery.compensation import KINDS, FitResult
 from surgery.data import Windows
 from surgery.errors import SurgeryError
@@ -37,8 +39,12 @@ from surgery.evaluate import Delta
 from surgery.passes import Fix
 from surgery.trials import Trials
 
-SCORES = ("c_comp", "c_stream", "c")
-FITS = ("full", "gate")  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate)
+Score = Literal["c_comp", "c_stream", "c"]  # what ranks the candidates: the fixed block's held-out defect, the stream's, the block's
+Fit = Literal["full", "gate"]  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate); None: no compensation
+Form = Literal["compensated", "plain"]  # how a chosen block is written: parallel with its fix folded in, or plain parallel
+SCORES: tuple[Score, ...] = typing.get_args(Score)
+FITS: tuple[Fit, ...] = typing.get_args(Fit)
+FORMS: tuple[Form, ...] = typing.get_args(Form)
 PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
 Progress = Callable[[str, int, int], None]
 
@@ -46,7 +52,7 @@ Progress = Callable[[str, int, int], None]
 @dataclasses.dataclass(frozen=True)
 class Trial:
     layer: int
-    form: str  # "compensated" or "plain"
+    form: Form
     score: float
     dnll: float  # of the chosen set plus this layer in this form, selection windows
     low: float  # 95 % paired bootstrap interval over the selection windows
@@ -99,9 +105,9 @@ class Budget:
 @dataclasses.dataclass(frozen=True)
 class Selection:
     layers: tuple[int, ...]
-    forms: dict[int, str]  # layer -> "compensated" or "plain"
-    score: str
-    fit: str | None  # "full", "gate", or None (no compensation)
+    forms: dict[int, Form]  # layer -> how it was written
+    score: Score
+    fit: Fit | None  # None: no compensation
     c: tuple[float | None, ...]
     c_stream: tuple[float | None, ...]
     c_comp: tuple[float | None, ...]
@@ -132,7 +138,7 @@ class Selection:
 
     def counts(self) -> dict[str, int]:
         """How many chosen blocks were written in each form."""
-        return {f: sum(1 for v in self.forms.values() if v == f) for f in ("compensated", "plain")}
+        return {f: sum(1 for v in self.forms.values() if v == f) for f in FORMS}
 
     def describe(self, fused: bool) -> str:
         """What was written, in words: `compensated`, `calibrated`, `plain`, `compensated and plain` (maybe `fused ...`), or `none`."""
@@ -174,13 +180,38 @@ class Selection:
         }
 
 
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    """Where the greedy left the chosen set: its forms, every trial, its cost on the selection windows, why it stopped."""
+
+    forms: dict[int, Form]
+    trials: tuple[Trial, ...]
+    dnll: Delta
+    divergence: evaluate.Divergence | None  # None: nothing chosen
+    stopped: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refit:
+    """What the refit did: its report and fit passes, its trial session, and the fits with the refitted fixes and
+    the chosen set's cost with them (kept when report["kept"])."""
+
+    report: dict
+    passes: int
+    trials: Trials
+    fits: dict[int, FitResult]
+    dnll: Delta
+    divergence: evaluate.Divergence
+
+
 def select_layers(
     model: ir.Model,
     windows: Windows,
     *,
     fit_windows: Windows | None = None,
-    fit: str | None = "full",
-    score: str | None = None,
+    fit: Fit | None = "full",
+    score: Score | None = None,
     budget: Budget = Budget(),
     max_layers: int | None = None,
     patience: int | None = PATIENCE,
@@ -202,6 +233,35 @@ def select_layers(
     fit_memory: the bytes one fit pass's normal equations may take (compensation.memory_bound: None is auto).
     requantize: how fixes folded into MatMulNBits weights choose their codes (compensation.REQUANTIZE).
     input_side: full fixes get an mlp input side where it folds (compensation.fit)."""
+    score = _score(score, fit, fit_windows)
+    tell = progress or (lambda stage, done, total: None)
+    blocks = find_blocks(model)
+    seconds: dict[str, float] = {}
+    fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
+    memory = compensation.memory_bound(fit_memory) if fit is not None else None
+    start = time.perf_counter()
+    fits, fit_passes, stats = _fit(model, len(blocks), windows, fit_windows, fit, options=options, pool=pool, memory=memory,
+                                   requantize=requantize, input_side=input_side, seconds=fit_seconds, tell=tell)
+    seconds["fit" if fit else "scores"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    candidates, rank = _candidates(blocks, stats, score, protect_first, protect_last)
+    runs = Trials(model, {l: f.fix for l, f in fits.items() if f.fix is not None}, windows, candidates, pool, options)
+    chosen = _greedy(runs, candidates, rank, fits, budget, max_layers=max_layers, patience=patience, try_both=try_both, tell=tell)
+    seconds["selection"] = time.perf_counter() - start
+
+    again = None
+    if refit and "compensated" in chosen.forms.values():
+        start = time.perf_counter()
+        again = _refit(model, fit_windows, windows, chosen, fits, runs, budget, fit=fit, options=options, memory=memory, pool=pool,
+                       requantize=requantize, seconds=fit_seconds, tell=tell)
+        seconds["refit"] = time.perf_counter() - start
+    return _selection(model, chosen, stats, fits, runs, again, score=score, fit=fit, fit_passes=fit_passes, fit_seconds=fit_seconds,
+                      seconds=seconds, candidates=len(candidates), fit_memory=memory, requantize=requantize)
+
+
+def _score(score: Score | None, fit: Fit | None, fit_windows: Windows | None) -> Score:
+    """The score to rank by (default: c_comp when compensating, else c_stream), once it, the fit and the fit windows agree."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
         raise SurgeryError(f"unknown score {score!r}; use one of {', '.join(SCORES)}")
@@ -211,27 +271,32 @@ def select_layers(
         raise SurgeryError("score c_comp needs compensation; use c_stream or c with --no-compensate")
     if fit is not None and fit_windows is None:
         raise SurgeryError("compensation needs fit windows, disjoint from the selection windows")
-    tell = progress or (lambda stage, done, total: None)
-    blocks = find_blocks(model)
-    n = len(blocks)
-    seconds: dict[str, float] = {}
-    fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
-    memory = compensation.memory_bound(fit_memory) if fit is not None else None
-    start = time.perf_counter()
-    if fit is not None:
-        fit_passes = compensation.passes(model, memory_bytes=memory, pool=pool, requantize=requantize, kind=fit, input_side=input_side)
-        fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=fit_seconds, requantize=requantize,
-                                input_side=input_side,
-                                progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
-        stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
-        stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
-    else:
-        fits, fit_passes = {}, 0
+    return score
+
+
+def _fit(model: ir.Model, n: int, windows: Windows, fit_windows: Windows | None, fit: Fit | None, *, options: runtime.Options,
+         pool: cluster.Pool, memory: int | None, requantize: str, input_side: bool, seconds: dict[str, float],
+         tell: Progress) -> tuple[dict[int, FitResult], int, dict[str, list[float | None]]]:
+    """Every sequential block's fix, fitted in one pass over the fit windows (none without `fit`), the fit passes made, and
+    each score per layer (c, c_stream, alpha, c_comp; None where a block is not sequential or c_comp where it has no fix).
+    Without a fit the scores come from one pass over the selection windows."""
+    if fit is None:
         stats = defect_scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
         stats["c_comp"] = [None] * n
-    seconds["fit" if fit else "scores"] = time.perf_counter() - start
+        return {}, 0, stats
+    passes = compensation.passes(model, memory_bytes=memory, pool=pool, requantize=requantize, kind=fit, input_side=input_side)
+    fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=seconds, requantize=requantize,
+                            input_side=input_side,
+                            progress=lambda d, t: tell(f"fit ({passes} pass{'es' if passes > 1 else ''})", d, t))
+    stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
+    stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
+    return fits, passes, stats
 
-    start = time.perf_counter()
+
+def _candidates(blocks: list[BlockMap], stats: dict[str, list[float | None]], score: Score, protect_first: int,
+                protect_last: int) -> tuple[list[int], list[float | None]]:
+    """The sequential blocks that may be chosen, lowest score first, and the score each block is ranked by."""
+    n = len(blocks)
     # A block without a fix (a failed fit, or weights it cannot be folded into) can only be written plain: its plain score ranks it.
     rank = [stats[score][l] if stats[score][l] is not None or score != "c_comp" else stats["c_stream"][l] for l in range(n)]
     candidates = [
@@ -239,11 +304,14 @@ def select_layers(
         if not b.is_parallel and protect_first <= b.layer < n - protect_last and rank[b.layer] is not None
     ]
     candidates.sort(key=lambda layer: rank[layer])
-    fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-    runs = Trials(model, fixes, windows, candidates, pool, options)
-    base = runs.base
+    return candidates, rank
 
-    chosen: dict[int, str] = {}
+
+def _greedy(runs: Trials, candidates: list[int], rank: list[float | None], fits: dict[int, FitResult], budget: Budget, *,
+            max_layers: int | None, patience: int | None, try_both: bool, tell: Progress) -> _Chosen:
+    """Add the candidates in order, each in the first form to try (try_both: the cheapest form) whose trial of the whole
+    chosen set stays within the budget; stop at max_layers, or after `patience` misses in a row."""
+    chosen: dict[int, Form] = {}
     trials: list[Trial] = []
     current, current_kl = Delta(0.0, 0.0, 0.0), None
     misses, stopped = 0, None  # candidates rejected in a row; why the greedy stopped before the end of the list
@@ -269,58 +337,64 @@ def select_layers(
             runs.accept(run)
             trials[index] = dataclasses.replace(trials[index], kept=True)
         tell("greedy selection", i + 1, len(candidates))
-    seconds["selection"] = time.perf_counter() - start
-
-    refit_report, refitted = None, None
-    compensated = {l for l, f in chosen.items() if f == "compensated"}
-    if refit and compensated:
-        start = time.perf_counter()
-        on = {KINDS[0]: set(chosen), KINDS[1]: compensated}
-        fit_passes += compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
-        again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory, pool=pool,
-                                 requantize=requantize,
-                                 seconds=fit_seconds, progress=lambda d, t: tell("refit", d, t))
-        new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
-        new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
-        refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs)
-        d, kl, _ = refitted.loss(chosen)
-        kept = budget.cost(d, kl) < budget.cost(current, current_kl)
-        refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(),
-                        "kl_before": current_kl.to_json(), "kl_after": kl.to_json(), "kept": kept}
-        if kept:
-            fits, current, current_kl = new_fits, d, kl
-        seconds["refit"] = time.perf_counter() - start
-    return Selection(
-        layers=tuple(sorted(chosen)),
-        forms=dict(sorted(chosen.items())),
-        score=score,
-        fit=fit,
-        c=tuple(stats["c"]),
-        c_stream=tuple(stats["c_stream"]),
-        c_comp=tuple(stats["c_comp"]),
-        alpha=tuple(stats["alpha"]),
-        fits=fits,
-        trials=tuple(trials),
-        base_loss=base.loss,
-        dnll=current,
-        divergence=current_kl,
-        refit=refit_report,
-        fit_passes=fit_passes,
-        fit_seconds=fit_seconds,
-        forward_passes=runs.passes + (refitted.passes if refitted else 0),
-        blocks_run=runs.blocks_run + (refitted.blocks_run if refitted else 0),
-        seconds=seconds,
-        candidates=len(candidates),
-        stopped=stopped,
-        fit_memory=memory,
-        requantize=requantize if set(compensation.quantized_outputs(model)) & {l for l, f in chosen.items() if f == "compensated"} else None,
-    )
+    return _Chosen(chosen, tuple(trials), current, current_kl, stopped)
 
 
-def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[str, ...]:
+def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[Form, ...]:
     """The forms to try for a candidate, in order. Compensated first when it has a fix; plain after
     it only with try_both, or when the fit does not lower the held-out defect (a bad fit)."""
     f = fits.get(layer)
     if f is None or f.fix is None:
         return ("plain",)
     return ("compensated", "plain") if try_both or f.residual is None or f.residual >= 1.0 else ("compensated",)
+
+
+def _refit(model: ir.Model, fit_windows: Windows, windows: Windows, chosen: _Chosen, fits: dict[int, FitResult], runs: Trials,
+           budget: Budget, *, fit: Fit, options: runtime.Options, memory: int, pool: cluster.Pool, requantize: str,
+           seconds: dict[str, float], tell: Progress) -> _Refit:
+    """The chosen compensated blocks' fixes fitted again with every chosen block in place, and the chosen set's cost
+    with them on the selection windows (the baseline run of `runs` reused); kept if that costs less."""
+    compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
+    fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
+    on = {KINDS[0]: set(chosen.forms), KINDS[1]: compensated}
+    passes = compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
+    again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory, pool=pool,
+                             requantize=requantize,
+                             seconds=seconds, progress=lambda d, t: tell("refit", d, t))
+    new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
+    new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
+    refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs)
+    d, kl, _ = refitted.loss(chosen.forms)
+    kept = budget.cost(d, kl) < budget.cost(chosen.dnll, chosen.divergence)
+    report = {"layers": sorted(again), "dnll_before": chosen.dnll.to_json(), "dnll_after": d.to_json(),
+              "kl_before": chosen.divergence.to_json(), "kl_after": kl.to_json(), "kept": kept}
+    return _Refit(report, passes, refitted, new_fits, d, kl)
+
+
+def _selection(model: ir.Model, chosen: _Chosen, stats: dict[str, list[float | None]], fits: dict[int, FitResult], runs: Trials,
+               again: _Refit | None, *, fit_passes: int, requantize: str, **fields) -> Selection:
+    """The Selection of the greedy's chosen set, with the refit's fixes and cost when it kept them; `fields`: the rest as they are."""
+    dnll, divergence = chosen.dnll, chosen.divergence
+    if again is not None and again.report["kept"]:
+        fits, dnll, divergence = again.fits, again.dnll, again.divergence
+    compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
+    return Selection(
+        layers=tuple(sorted(chosen.forms)),
+        forms=dict(sorted(chosen.forms.items())),
+        c=tuple(stats["c"]),
+        c_stream=tuple(stats["c_stream"]),
+        c_comp=tuple(stats["c_comp"]),
+        alpha=tuple(stats["alpha"]),
+        fits=fits,
+        trials=chosen.trials,
+        base_loss=runs.base.loss,
+        dnll=dnll,
+        divergence=divergence,
+        refit=None if again is None else again.report,
+        fit_passes=fit_passes + (again.passes if again else 0),
+        forward_passes=runs.passes + (again.trials.passes if again else 0),
+        blocks_run=runs.blocks_run + (again.trials.blocks_run if again else 0),
+        stopped=chosen.stopped,
+        requantize=requantize if set(compensation.quantized_outputs(model)) & compensated else None,
+        **fields,
+    )

@@ -4,6 +4,7 @@ windows, in one switchboard session (here or on Ray actors), resumed from the ac
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
@@ -17,6 +18,9 @@ from surgery.evaluate import Delta
 from surgery.facts import embedding_table, stream_dtype
 from surgery.passes import Fix
 from surgery.passes.common import narrower_than_float32
+
+if TYPE_CHECKING:
+    from surgery.select import Form
 
 BATCH = 4  # selection windows scored together: one job for a Ray actor
 KEEP_BYTES = 1 << 30  # the streams a resumed selection keeps (checkpoints): at most this, or an eighth of the available memory
@@ -80,7 +84,7 @@ class Trials:
         """Where a trial adding `layer` to the accepted set starts: the last checkpoint at or before it, or block 0."""
         return max((c for c in self.checkpoints if c <= layer), default=0)
 
-    def loss(self, forms: dict[int, str], new: int | None = None) -> tuple[Delta, evaluate.Divergence, dict]:
+    def loss(self, forms: dict[int, Form], new: int | None = None) -> tuple[Delta, evaluate.Divergence, dict]:
         """dNLL and KL of the blocks in `forms` against the original; `new`: the one block `forms` adds to the accepted
         set (None: run from block 0). Also what `accept` needs to make it the accepted set."""
         start = 0 if new is None else self.start(new)
