@@ -5,7 +5,7 @@ blocks? SmolLM2-135M, the main job's defaults otherwise.
 
 Fits every block's fix as the main job does (the same 64 fit windows), measures each block alone, compensated,
 against the original on the first `--windows` of the main job's 16 selection windows (one trial per block), then runs
-`select.auto` with the fits' C_l^comp replaced by those KLs, so the greedy tries the blocks in that order.
+`job.auto` with the fits' C_l^comp replaced by those KLs, so the greedy tries the blocks in that order.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a resumed selection trial costs against one from block 0: select.Trials on the main job's 16 selection
+"""What a resumed selection trial costs against one from block 0: trials.Trials on the main job's 16 selection
 windows of SmolLM2-135M, each start timed three times, interleaved (benchmarks/cost.py prices a trial as the head
 plus the blocks from its start on).
 
