@@ -23,9 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import typing
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import onnx_ir as ir
 
@@ -42,9 +41,9 @@ from surgery.trials import Trials
 Score = Literal["c_comp", "c_stream", "c"]  # what ranks the candidates: the fixed block's held-out defect, the stream's, the block's
 Fit = Literal["full", "gate"]  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate); None: no compensation
 Form = Literal["compensated", "plain"]  # how a chosen block is written: parallel with its fix folded in, or plain parallel
-SCORES: tuple[Score, ...] = typing.get_args(Score)
-FITS: tuple[Fit, ...] = typing.get_args(Fit)
-FORMS: tuple[Form, ...] = typing.get_args(Form)
+SCORES: tuple[Score, ...] = get_args(Score)
+FITS: tuple[Fit, ...] = get_args(Fit)
+FORMS: tuple[Form, ...] = get_args(Form)
 PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
 Progress = Callable[[str, int, int], None]
 
