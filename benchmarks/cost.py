@@ -15,7 +15,7 @@ RUN is the output folder of `surgery parallelize` (its selection.json) or of `su
 with the `/usr/bin/time -v` log of the command beside it as RUN.time (wall time and peak RSS); SHAPE is a name
 in SHAPES (synthetic-2048 is graphs/big_decoder.py's) and LAYERS its number of blocks.
 
-The model counts what the code does (surgery/compensation.py, select.py, diagnostics/diagnose.py):
+The model counts what the code does (surgery/compensation.py, select.py, trials.py, diagnostics/diagnose.py):
 - fit: each pass runs only its own blocks (from the stream the pass before handed on), so the forward passes of
   all passes together are one pass of every block, each block's mlp twice (the twin), no head, over the fit
   windows; per window and block the float32 products Z'Z (k = 2 d + 1: syrk, n k^2) and Z'delta (2 n k d) are
@@ -25,7 +25,7 @@ The model counts what the code does (surgery/compensation.py, select.py, diagnos
   output side's per window and whose solve (k_in / k)^3 of its.
 - selection: the switchboard scored on the selection windows once per trial and once for the baseline: the head
   and the log-softmax, and the blocks from where the run starts; each compensated block's switch copies W_o and
-  W_down (Where). A trial resumes at its block from the accepted set's stream (select.Trials): the share of the
+  W_down (Where). A trial resumes at its block from the accepted set's stream (trials.Trials): the share of the
   blocks the runs make is the run's own (selection.json's blocks_run) where there is one, else modelled as the
   baseline's whole pass and trials starting at blocks spread evenly over the model ((L + 1) / 2 blocks each).
 - evaluation: the original and the rewritten model on the evaluation windows; write: the weights once.
@@ -37,7 +37,7 @@ The model counts what the code does (surgery/compensation.py, select.py, diagnos
 
 Seconds come from rates measured here on one block of each shape (Rates.measure): ONNX Runtime's forward of a
 one-block decoder of the shape on 256 tokens; the code's own runs of that decoder: a selection trial (its
-switchboard with a fix, scored as select scores trials: select.BATCH windows a run, against a reference),
+switchboard with a fix, scored as select scores trials: trials.BATCH windows a run, against a reference),
 diagnose's probe, loss runs and prefix sensitivity; the scored head (the MatMul, then evaluate.scoring_model's
 LogSoftmax, NLL, argmax and KL against a reference) on a slice of the vocabulary; the marginal cost of one
 window's accumulation of one layer's sums in the fit's own Accumulator (at d_model up to 4096, scaled by k^2
@@ -267,14 +267,14 @@ def _update(model, rng, t: int, windows: int = 8) -> float:
 
 def _trial(model, rng, t: int) -> float:
     """Seconds per window of a selection trial's run of one block: the switchboard of the one-block model with a
-    compensation fix, scored against a reference in batches of select.BATCH windows, the block switched on."""
+    compensation fix, scored against a reference in batches of trials.BATCH windows, the block switched on."""
     from surgery import evaluate, runtime
     from surgery.analysis import switchboard as board_graph
     from surgery.compensation import KINDS
     from surgery.data import Windows
     from surgery.facts import embedding_table
     from surgery.passes import Fix
-    from surgery.select import BATCH
+    from surgery.trials import BATCH
 
     d = embedding_table(model)[1]
     fix = Fix(w_a=0.01 * rng.standard_normal((d, d)), w_p=0.01 * rng.standard_normal((d, d)), b=np.zeros(d))

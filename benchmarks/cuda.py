@@ -37,9 +37,9 @@ from common import ROOT, smollm2, table
 
 from surgery import evaluate, graph, runtime
 from surgery.blocks import find_blocks
+from surgery.job import fit_fixes, rewrite
 from surgery.layers import format_layers, parse_layers
 from surgery.passes import Fix
-from surgery.select import fit_fixes, rewrite
 
 SYNTHETIC = ROOT / "out" / "llama-1b-random"
 # Llama-3.2-1B's shape with a 32k vocabulary: 1.1 B parameters, 4.4 GB of float32

@@ -22,10 +22,10 @@ from common import ROOT, table
 
 from surgery import compensation, data, evaluate, graph
 from surgery.blocks import find_blocks
+from surgery.job import rewrite
 from surgery.layers import parse_layers
 from surgery.nodes import values_by_name
 from surgery.passes import projection
-from surgery.select import rewrite
 
 INT4 = ROOT / "out" / "smollm2-genai-int4"
 

@@ -26,8 +26,9 @@ import time
 from common import drift_refit, smollm2, table
 
 from surgery import compensation, data, evaluate, graph
+from surgery.job import rewrite
 from surgery.layers import format_layers
-from surgery.select import PATIENCE, Budget, rewrite, select_layers
+from surgery.select import PATIENCE, Budget, select_layers
 
 FITS = {"plain": None, "outputs": "full", "compensated": "full", "refit": "full", "drift": "full"}
 

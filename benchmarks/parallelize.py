@@ -18,8 +18,9 @@ import time
 from common import smollm2, table
 
 from surgery import data, evaluate, graph, runtime
+from surgery.job import rewrite
 from surgery.layers import format_layers
-from surgery.select import Budget, rewrite, select_layers
+from surgery.select import Budget, select_layers
 
 FITS = {"plain": None, "calibrated": "gate", "compensated": "full"}
 

@@ -254,7 +254,7 @@ def parallelize(
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
-    from surgery import rewrite, select
+    from surgery import job, rewrite
 
     explicit = layers.strip().lower() != "auto"
     fit, options, budget, fit_memory = _parallelize_settings(explicit, compensate, calibrate, threads, device, workers, ray,
@@ -265,7 +265,7 @@ def parallelize(
                                                  requantize=requantize, input_side=input_fix), as_json)
         return
     with _progress() as tell:
-        outcome, written = select.auto(
+        outcome, written = job.auto(
             model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
             fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import graph, runtime, select
+from surgery import graph, job, runtime
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
 from surgery.layers import parse_layers
@@ -40,9 +40,9 @@ def parallelize_file(model_path: Path, out_path: Path, layers: str, *, fit: str 
     def apply(model, chosen):
         fixes = None
         if fit is not None:
-            fixes = select.fit_fixes(model, model_path, chosen, fit=fit, corpus=corpus, seq_len=seq_len, fit_windows=fit_windows,
-                                     tokenizer=tokenizer, options=options, fit_memory=fit_memory, requantize=requantize,
-                                     input_side=input_side)
-        return select.rewrite(model, chosen, fused=fused, fixes=fixes)
+            fixes = job.fit_fixes(model, model_path, chosen, fit=fit, corpus=corpus, seq_len=seq_len, fit_windows=fit_windows,
+                                  tokenizer=tokenizer, options=options, fit_memory=fit_memory, requantize=requantize,
+                                  input_side=input_side)
+        return job.rewrite(model, chosen, fused=fused, fixes=fixes)
 
     return rewrite_file(model_path, out_path, layers, apply)

@@ -12,44 +12,46 @@ budget and the fit did not lower the held-out defect (residual fraction >= 1), s
 one try; with try_both every candidate is tried in both forms and the better passing one (lower
 KL) is kept. With refit, the chosen blocks' fixes are then fitted again with every chosen block in
 place, and the refitted fixes are kept if the selection KL goes down. All trials run in one
-switchboard session; a refit builds a second one.
+switchboard session (surgery.trials); a refit builds a second one.
+
+Holds the result types (Trial, Budget, Selection) and select_layers; the main job that loads, selects,
+rewrites, measures and writes is surgery.job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
+from typing import Literal, get_args
 
 import onnx_ir as ir
 
-from surgery import cluster, compensation, data, evaluate, graph, runtime
-from surgery.analysis import resumable
-from surgery.analysis import switchboard as board_graph
+from surgery import cluster, compensation, evaluate, runtime
 from surgery.analysis.probe import defect_scores
-from surgery.blocks import find_blocks
+from surgery.blocks import BlockMap, find_blocks
 from surgery.compensation import KINDS, FitResult
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
-from surgery.facts import embedding_table, stream_dtype
-from surgery.passes import Fix, compensate, fuse, parallelize
-from surgery.passes.common import narrower_than_float32
-from surgery.passes.fuse import refusal as fuse_refusal
+from surgery.passes import Fix
+from surgery.trials import Trials
 
-SCORES = ("c_comp", "c_stream", "c")
-FITS = ("full", "gate")  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate)
+Score = Literal["c_comp", "c_stream", "c"]  # what ranks the candidates: the fixed block's held-out defect, the stream's, the block's
+Fit = Literal["full", "gate"]  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate); None: no compensation
+Form = Literal["compensated", "plain"]  # how a chosen block is written: parallel with its fix folded in, or plain parallel
+SCORES: tuple[Score, ...] = get_args(Score)
+FITS: tuple[Fit, ...] = get_args(Fit)
+FORMS: tuple[Form, ...] = get_args(Form)
+PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
 Progress = Callable[[str, int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
     layer: int
-    form: str  # "compensated" or "plain"
+    form: Form
     score: float
     dnll: float  # of the chosen set plus this layer in this form, selection windows
     low: float  # 95 % paired bootstrap interval over the selection windows
@@ -102,9 +104,9 @@ class Budget:
 @dataclasses.dataclass(frozen=True)
 class Selection:
     layers: tuple[int, ...]
-    forms: dict[int, str]  # layer -> "compensated" or "plain"
-    score: str
-    fit: str | None  # "full", "gate", or None (no compensation)
+    forms: dict[int, Form]  # layer -> how it was written
+    score: Score
+    fit: Fit | None  # None: no compensation
     c: tuple[float | None, ...]
     c_stream: tuple[float | None, ...]
     c_comp: tuple[float | None, ...]
@@ -135,7 +137,16 @@ class Selection:
 
     def counts(self) -> dict[str, int]:
         """How many chosen blocks were written in each form."""
-        return {f: sum(1 for v in self.forms.values() if v == f) for f in ("compensated", "plain")}
+        return {f: sum(1 for v in self.forms.values() if v == f) for f in FORMS}
+
+    def describe(self, fused: bool) -> str:
+        """What was written, in words: `compensated`, `calibrated`, `plain`, `compensated and plain` (maybe `fused ...`), or `none`."""
+        counts = self.counts()
+        fixed = {"full": "compensated", "gate": "calibrated", None: "plain"}[self.fit]
+        if not self.layers:
+            return "none"
+        kinds = [k for k, c in ((fixed, counts["compensated"]), ("plain", counts["plain"])) if c]
+        return ("fused " if fused else "") + " and ".join(dict.fromkeys(kinds))
 
     @property
     def fixes(self) -> dict[int, Fix]:
@@ -168,88 +179,29 @@ class Selection:
         }
 
 
-BATCH = 4  # selection windows scored together: one job for a Ray actor
-PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
-KEEP_BYTES = 1 << 30  # the streams a resumed selection keeps (checkpoints): at most this, or an eighth of the available memory
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    """Where the greedy left the chosen set: its forms, every trial, its cost on the selection windows, why it stopped."""
+
+    forms: dict[int, Form]
+    trials: tuple[Trial, ...]
+    dnll: Delta
+    divergence: evaluate.Divergence | None  # None: nothing chosen
+    stopped: str | None
 
 
-class TrialScorer(evaluate.Scorer):
-    """A switchboard's scoring session (here or on a Ray actor) that runs one batch of selection windows at a time."""
+@dataclasses.dataclass(frozen=True)
+class _Refit:
+    """What the refit did: its report and fit passes, its trial session, and the fits with the refitted fixes and
+    the chosen set's cost with them (kept when report["kept"])."""
 
-    def run(self, windows: Windows, extra: dict, reference=None) -> tuple[evaluate.Perplexity, dict | None, list | None]:
-        """The batch's score (KL and top-1 against `reference`, when given); the streams it keeps; without a reference,
-        its own log-probs (the original's Reference of the batch)."""
-        kept, record = ({} if self.keep else None), ([] if reference is None else None)
-        scored = self(windows, batch_size=len(windows), extra=extra, kept=kept, reference=None if reference is None else [reference], record=record)
-        return scored, kept, record
-
-
-class Trials:
-    """The selection's trials: the switchboard of KINDS with the fixes in one scoring session, each trial the whole
-    chosen set against the original on the selection windows, in batches of BATCH.
-
-    Resumed (in this process, float32 or wider, when the graph allows: resumable.resumable): the session keeps the
-    residual stream of the set accepted so far at checkpoint blocks (the candidates' blocks, as many as KEEP_BYTES
-    holds), and a trial that adds block l to it starts at the last checkpoint <= l, from that stream, since no block
-    before l differs from the accepted set's. A trial then costs the blocks from there on and the logits."""
-
-    def __init__(self, model: ir.Model, fixes: dict[int, Fix], windows: Windows, candidates: list[int], pool: cluster.Pool,
-                 options: runtime.Options, baseline: "Trials | None" = None):
-        """baseline: Trials of the same model and windows whose unchanged run to reuse (no resumed trials then)."""
-        blocks = find_blocks(model)
-        self.n = len(blocks)
-        board = board_graph.switchboard(model, KINDS, fixes)
-        resume = None
-        if baseline is None and not pool.distributed and not narrower_than_float32(stream_dtype(model).numpy()):
-            resume = resumable.resumable(board, blocks)
-        self.batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
-        self.resume, self.checkpoints = resume, ()
-        if resume is not None:
-            per_block = windows.ids.size * stream_dtype(model).numpy().itemsize * embedding_table(model)[1]
-            room = max(1, min(KEEP_BYTES, (compensation.available_memory() or KEEP_BYTES * 8) // 8) // max(per_block, 1))
-            layers = sorted({l for l in candidates if 0 < l < self.n})
-            self.checkpoints = tuple(layers[i] for i in data.spread(len(layers), room))
-        keep = tuple(resume.resid_post[c - 1] for c in self.checkpoints) if resume else ()
-        make = functools.partial(TrialScorer, options=pool.options(options), compare=True, keep=keep)
-        self.scorers = pool.actors(resume.model if resume else board, make)
-        self.passes, self.blocks_run = 0, 0
-        self.streams: list[dict] = [{} for _ in self.batches]  # per batch: the accepted set's stream at each checkpoint
-        self.base, self.reference = (baseline.base, baseline.reference) if baseline else self._baseline()
-
-    def _baseline(self) -> tuple[evaluate.Perplexity, list]:
-        parts = list(self.scorers.map("run", [(batch, self._extra({}, 0, b)) for b, batch in enumerate(self.batches)]))
-        self.passes, self.blocks_run = self.passes + 1, self.blocks_run + self.n
-        self.streams = [kept or {} for _, kept, _ in parts]
-        reference = [self.scorers.share(r) for _, _, refs in parts for r in refs]  # [BATCH, seq, vocab] float32, sent to Ray actors once
-        return evaluate.joined([p for p, _, _ in parts]), reference
-
-    def _extra(self, on: dict, start: int, batch: int) -> dict:
-        extra = {board_graph.SWITCHES: board_graph.switches(KINDS, self.n, on)}
-        return extra | self.resume.inputs(start, self.streams[batch]) if self.resume else extra
-
-    def start(self, layer: int) -> int:
-        """Where a trial adding `layer` to the accepted set starts: the last checkpoint at or before it, or block 0."""
-        return max((c for c in self.checkpoints if c <= layer), default=0)
-
-    def loss(self, forms: dict[int, str], new: int | None = None) -> tuple[Delta, evaluate.Divergence, dict]:
-        """dNLL and KL of the blocks in `forms` against the original; `new`: the one block `forms` adds to the accepted
-        set (None: run from block 0). Also what `accept` needs to make it the accepted set."""
-        start = 0 if new is None else self.start(new)
-        on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
-        jobs = [(batch, self._extra(on, start, b), ref) for b, (batch, ref) in enumerate(zip(self.batches, self.reference))]
-        parts = list(self.scorers.map("run", jobs))
-        self.passes += 1
-        self.blocks_run += self.n - start
-        p = evaluate.joined([part for part, _, _ in parts])
-        return evaluate.delta(self.base, p), evaluate.divergence(p), {"start": start, "kept": [kept for _, kept, _ in parts]}
-
-    def accept(self, trial: dict) -> None:
-        """Make a trial's set the accepted one: the streams at checkpoints after its start come from its run."""
-        if not self.resume:
-            return
-        later = {self.resume.resid_post[c - 1] for c in self.checkpoints if c > trial["start"]}
-        for streams, kept in zip(self.streams, trial["kept"]):
-            streams.update({name: kept[name] for name in later})
+    report: dict
+    passes: int
+    trials: Trials
+    fits: dict[int, FitResult]
+    dnll: Delta
+    divergence: evaluate.Divergence
 
 
 def select_layers(
@@ -257,8 +209,8 @@ def select_layers(
     windows: Windows,
     *,
     fit_windows: Windows | None = None,
-    fit: str | None = "full",
-    score: str | None = None,
+    fit: Fit | None = "full",
+    score: Score | None = None,
     budget: Budget = Budget(),
     max_layers: int | None = None,
     patience: int | None = PATIENCE,
@@ -280,6 +232,35 @@ def select_layers(
     fit_memory: the bytes one fit pass's normal equations may take (compensation.memory_bound: None is auto).
     requantize: how fixes folded into MatMulNBits weights choose their codes (compensation.REQUANTIZE).
     input_side: full fixes get an mlp input side where it folds (compensation.fit)."""
+    score = _score(score, fit, fit_windows)
+    tell = progress or (lambda stage, done, total: None)
+    blocks = find_blocks(model)
+    seconds: dict[str, float] = {}
+    fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
+    memory = compensation.memory_bound(fit_memory) if fit is not None else None
+    start = time.perf_counter()
+    fits, fit_passes, stats = _fit(model, len(blocks), windows, fit_windows, fit, options=options, pool=pool, memory=memory,
+                                   requantize=requantize, input_side=input_side, seconds=fit_seconds, tell=tell)
+    seconds["fit" if fit else "scores"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    candidates, rank = _candidates(blocks, stats, score, protect_first, protect_last)
+    runs = Trials(model, {l: f.fix for l, f in fits.items() if f.fix is not None}, windows, candidates, pool, options)
+    chosen = _greedy(runs, candidates, rank, fits, budget, max_layers=max_layers, patience=patience, try_both=try_both, tell=tell)
+    seconds["selection"] = time.perf_counter() - start
+
+    again = None
+    if refit and "compensated" in chosen.forms.values():
+        start = time.perf_counter()
+        again = _refit(model, fit_windows, windows, chosen, fits, runs, budget, fit=fit, options=options, memory=memory, pool=pool,
+                       requantize=requantize, seconds=fit_seconds, tell=tell)
+        seconds["refit"] = time.perf_counter() - start
+    return _selection(model, chosen, stats, fits, runs, again, score=score, fit=fit, fit_passes=fit_passes, fit_seconds=fit_seconds,
+                      seconds=seconds, candidates=len(candidates), fit_memory=memory, requantize=requantize)
+
+
+def _score(score: Score | None, fit: Fit | None, fit_windows: Windows | None) -> Score:
+    """The score to rank by (default: c_comp when compensating, else c_stream), once it, the fit and the fit windows agree."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
         raise SurgeryError(f"unknown score {score!r}; use one of {', '.join(SCORES)}")
@@ -289,27 +270,32 @@ def select_layers(
         raise SurgeryError("score c_comp needs compensation; use c_stream or c with --no-compensate")
     if fit is not None and fit_windows is None:
         raise SurgeryError("compensation needs fit windows, disjoint from the selection windows")
-    tell = progress or (lambda stage, done, total: None)
-    blocks = find_blocks(model)
-    n = len(blocks)
-    seconds: dict[str, float] = {}
-    fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
-    memory = compensation.memory_bound(fit_memory) if fit is not None else None
-    start = time.perf_counter()
-    if fit is not None:
-        fit_passes = compensation.passes(model, memory_bytes=memory, pool=pool, requantize=requantize, kind=fit, input_side=input_side)
-        fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=fit_seconds, requantize=requantize,
-                                input_side=input_side,
-                                progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
-        stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
-        stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
-    else:
-        fits, fit_passes = {}, 0
+    return score
+
+
+def _fit(model: ir.Model, n: int, windows: Windows, fit_windows: Windows | None, fit: Fit | None, *, options: runtime.Options,
+         pool: cluster.Pool, memory: int | None, requantize: str, input_side: bool, seconds: dict[str, float],
+         tell: Progress) -> tuple[dict[int, FitResult], int, dict[str, list[float | None]]]:
+    """Every sequential block's fix, fitted in one pass over the fit windows (none without `fit`), the fit passes made, and
+    each score per layer (c, c_stream, alpha, c_comp; None where a block is not sequential or c_comp where it has no fix).
+    Without a fit the scores come from one pass over the selection windows."""
+    if fit is None:
         stats = defect_scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
         stats["c_comp"] = [None] * n
-    seconds["fit" if fit else "scores"] = time.perf_counter() - start
+        return {}, 0, stats
+    passes = compensation.passes(model, memory_bytes=memory, pool=pool, requantize=requantize, kind=fit, input_side=input_side)
+    fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=seconds, requantize=requantize,
+                            input_side=input_side,
+                            progress=lambda d, t: tell(f"fit ({passes} pass{'es' if passes > 1 else ''})", d, t))
+    stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
+    stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
+    return fits, passes, stats
 
-    start = time.perf_counter()
+
+def _candidates(blocks: list[BlockMap], stats: dict[str, list[float | None]], score: Score, protect_first: int,
+                protect_last: int) -> tuple[list[int], list[float | None]]:
+    """The sequential blocks that may be chosen, lowest score first, and the score each block is ranked by."""
+    n = len(blocks)
     # A block without a fix (a failed fit, or weights it cannot be folded into) can only be written plain: its plain score ranks it.
     rank = [stats[score][l] if stats[score][l] is not None or score != "c_comp" else stats["c_stream"][l] for l in range(n)]
     candidates = [
@@ -317,11 +303,14 @@ def select_layers(
         if not b.is_parallel and protect_first <= b.layer < n - protect_last and rank[b.layer] is not None
     ]
     candidates.sort(key=lambda layer: rank[layer])
-    fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-    runs = Trials(model, fixes, windows, candidates, pool, options)
-    base = runs.base
+    return candidates, rank
 
-    chosen: dict[int, str] = {}
+
+def _greedy(runs: Trials, candidates: list[int], rank: list[float | None], fits: dict[int, FitResult], budget: Budget, *,
+            max_layers: int | None, patience: int | None, try_both: bool, tell: Progress) -> _Chosen:
+    """Add the candidates in order, each in the first form to try (try_both: the cheapest form) whose trial of the whole
+    chosen set stays within the budget; stop at max_layers, or after `patience` misses in a row."""
+    chosen: dict[int, Form] = {}
     trials: list[Trial] = []
     current, current_kl = Delta(0.0, 0.0, 0.0), None
     misses, stopped = 0, None  # candidates rejected in a row; why the greedy stopped before the end of the list
@@ -347,65 +336,10 @@ def select_layers(
             runs.accept(run)
             trials[index] = dataclasses.replace(trials[index], kept=True)
         tell("greedy selection", i + 1, len(candidates))
-    seconds["selection"] = time.perf_counter() - start
-
-    refit_report, refitted = None, None
-    compensated = {l for l, f in chosen.items() if f == "compensated"}
-    if refit and compensated:
-        start = time.perf_counter()
-        on = {KINDS[0]: set(chosen), KINDS[1]: compensated}
-        fit_passes += compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
-        again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory, pool=pool,
-                                 requantize=requantize,
-                                 seconds=fit_seconds, progress=lambda d, t: tell("refit", d, t))
-        new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
-        new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
-        refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs)
-        d, kl, _ = refitted.loss(chosen)
-        kept = budget.cost(d, kl) < budget.cost(current, current_kl)
-        refit_report = {"layers": sorted(again), "dnll_before": current.to_json(), "dnll_after": d.to_json(),
-                        "kl_before": current_kl.to_json(), "kl_after": kl.to_json(), "kept": kept}
-        if kept:
-            fits, current, current_kl = new_fits, d, kl
-        seconds["refit"] = time.perf_counter() - start
-    return Selection(
-        layers=tuple(sorted(chosen)),
-        forms=dict(sorted(chosen.items())),
-        score=score,
-        fit=fit,
-        c=tuple(stats["c"]),
-        c_stream=tuple(stats["c_stream"]),
-        c_comp=tuple(stats["c_comp"]),
-        alpha=tuple(stats["alpha"]),
-        fits=fits,
-        trials=tuple(trials),
-        base_loss=base.loss,
-        dnll=current,
-        divergence=current_kl,
-        refit=refit_report,
-        fit_passes=fit_passes,
-        fit_seconds=fit_seconds,
-        forward_passes=runs.passes + (refitted.passes if refitted else 0),
-        blocks_run=runs.blocks_run + (refitted.blocks_run if refitted else 0),
-        seconds=seconds,
-        candidates=len(candidates),
-        stopped=stopped,
-        fit_memory=memory,
-        requantize=requantize if set(compensation.quantized_outputs(model)) & {l for l, f in chosen.items() if f == "compensated"} else None,
-    )
+    return _Chosen(chosen, tuple(trials), current, current_kl, stopped)
 
 
-def _form(selection: Selection, fused: bool) -> str:
-    """What was written, in words: `compensated`, `calibrated`, `plain`, `compensated and plain` (maybe `fused ...`), or `none`."""
-    counts = selection.counts()
-    fixed = {"full": "compensated", "gate": "calibrated", None: "plain"}[selection.fit]
-    if not selection.layers:
-        return "none"
-    kinds = [k for k, c in ((fixed, counts["compensated"]), ("plain", counts["plain"])) if c]
-    return ("fused " if fused else "") + " and ".join(dict.fromkeys(kinds))
-
-
-def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[str, ...]:
+def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[Form, ...]:
     """The forms to try for a candidate, in order. Compensated first when it has a fix; plain after
     it only with try_both, or when the fit does not lower the held-out defect (a bad fit)."""
     f = fits.get(layer)
@@ -414,119 +348,52 @@ def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[str,
     return ("compensated", "plain") if try_both or f.residual is None or f.residual >= 1.0 else ("compensated",)
 
 
-def fit_fixes(model: ir.Model, model_path, layers, *, fit: str = "full", corpus=None, seq_len=256, fit_windows=64,
-              tokenizer=None, options=runtime.Options(), fit_memory: int | str | None = None, requantize: str = "gptq",
-              input_side: bool = True) -> dict[int, Fix]:
-    """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers).
-    A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
-    windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
-    fits = compensation.fit(model, windows, set(layers), kind=fit, options=options, memory_bytes=compensation.memory_bound(fit_memory),
-                            requantize=requantize, input_side=input_side)
-    for layer, f in sorted(fits.items()):
-        if f.fix is None:
-            raise SurgeryError(f"cannot compensate block {layer}: {f.note}; or parallelize it plain with --no-compensate")
-    return {l: f.fix for l, f in fits.items()}
+def _refit(model: ir.Model, fit_windows: Windows, windows: Windows, chosen: _Chosen, fits: dict[int, FitResult], runs: Trials,
+           budget: Budget, *, fit: Fit, options: runtime.Options, memory: int, pool: cluster.Pool, requantize: str,
+           seconds: dict[str, float], tell: Progress) -> _Refit:
+    """The chosen compensated blocks' fixes fitted again with every chosen block in place, and the chosen set's cost
+    with them on the selection windows (the baseline run of `runs` reused); kept if that costs less."""
+    compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
+    fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
+    on = {KINDS[0]: set(chosen.forms), KINDS[1]: compensated}
+    passes = compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
+    again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory, pool=pool,
+                             requantize=requantize,
+                             seconds=seconds, progress=lambda d, t: tell("refit", d, t))
+    new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
+    new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
+    refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs)
+    d, kl, _ = refitted.loss(chosen.forms)
+    kept = budget.cost(d, kl) < budget.cost(chosen.dnll, chosen.divergence)
+    report = {"layers": sorted(again), "dnll_before": chosen.dnll.to_json(), "dnll_after": d.to_json(),
+              "kl_before": chosen.divergence.to_json(), "kl_after": kl.to_json(), "kept": kept}
+    return _Refit(report, passes, refitted, new_fits, d, kl)
 
 
-def rewrite(model: ir.Model, layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
-    """Make `layers` parallel, plain (ln2 reads resid_pre) or fused; the layers in `fixes` get their
-    fix folded into the output projections (compensated, or calibrated with Fix.gate). Returns a SurgeryResult."""
-    fixes = {l: f for l, f in (fixes or {}).items() if l in set(layers)}
-    if fused:
-        return fuse(model, layers, fixes)
-    first = compensate(model, fixes) if fixes else None
-    rest = parallelize(first.model if first else model, [l for l in layers if l not in fixes])
-    changes = {c.layer: c for c in (first.changes if first else ()) + rest.changes}
-    return dataclasses.replace(rest, changes=tuple(changes[l] for l in sorted(changes)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What `surgery parallelize --layers auto` reports and writes to selection.json."""
-
-    selection: Selection
-    form: str  # "plain", "compensated", "calibrated", each maybe "fused ..."
-    base_loss_eval: float
-    dnll_eval: Delta  # held-out evaluation windows, 95 % paired bootstrap interval
-    eval_tokens: int
-    divergence_eval: evaluate.Divergence  # KL vs the original, p99, top-1 agreement on the evaluation windows
-    estimated_speedup: float  # the paper's max(t_attn, t_mlp) estimate, from per-branch kernel times
-    prefill_ratio: float | None  # original / rewritten, one interleaved run
-    decode_ratio: float | None
-    latency: dict | None
-    windows: dict  # fit / selection / evaluation: count and tokens
-    estimate_placement: str | None = None  # where the estimate's kernels were profiled: the latency's device
-
-    def to_json(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["selection"] = self.selection.to_json()
-        data["dnll_eval"] = self.dnll_eval.dnll
-        data["dnll_eval_interval"] = [self.dnll_eval.low, self.dnll_eval.high]
-        data["divergence_eval"] = self.divergence_eval.to_json()
-        return data
-
-
-def auto(
-    model_path,
-    out,
-    *,
-    corpus=None,
-    seq_len: int = 256,
-    windows: int = 16,
-    fit_windows: int = 64,
-    eval_windows: int = 8,
-    fit: str | None = "full",
-    fused: bool = False,
-    measure_latency: bool = True,
-    repeats: int = 20,
-    tokenizer=None,
-    options: runtime.Options = runtime.Options(),
-    progress: Progress | None = None,
-    workers: int | None = None,
-    ray: str | None = None,
-    **greedy,
-) -> tuple[Outcome, Path]:
-    """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path.
-    greedy: how select_layers chooses (score, budget, max_layers, patience, protect_first, protect_last,
-    try_both, refit). workers / ray: the selection's trials are scored on a local Ray cluster of that many
-    CPUs / on the Ray cluster at that address, and so is the fit pass (the evaluation stays in this process).
-
-    Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
-    dNLL checks); the reported dNLL is on the disjoint evaluation windows.
-    """
-    tell = progress or (lambda stage, done, total: None)
-    model = graph.load(model_path)
-    graph.check_output(out, model_path, model)
-    blocks = find_blocks(model, where=str(model_path))
-    if fused:  # before any work: a block that cannot be fused would fail only after the fit and the selection
-        for block in blocks[greedy.get("protect_first", 0) : len(blocks) - greedy.get("protect_last", 0)]:
-            if not block.is_parallel and (why := fuse_refusal(model, block)) is not None:
-                raise SurgeryError(f"{why} (--fuse applies to every chosen block; drop --fuse or protect the block)")
-    get = lambda part, count: data.windows(model_path, corpus, seq_len=seq_len, max_windows=count, part=part, tokenizer=tokenizer)  # noqa: E731
-    if fit is not None:
-        fit_part, sel = data.deal(get("calibration", fit_windows + windows), [fit_windows, windows], ["fit", "selection"])
-    else:
-        fit_part, sel = None, get("calibration", windows)
-    ev = get("evaluation", eval_windows)
-    with cluster.pool(workers, ray, device=options.device) as pool:
-        selection = select_layers(model, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
-    rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
-    # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
-    step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
-    base, after = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
-    times = evaluate.branch_times(model, seq_len=seq_len, runs=3, options=options)  # on the latency's device
-    estimate = times.estimated_speedup(selection.layers)
-    prefill = decode = timing = None
-    if measure_latency:
-        timed = evaluate.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
-                                 progress=evaluate.counter(tell, "latency (interleaved)", repeats))
-        prefill = timed[0].prefill_ms / timed[1].prefill_ms
-        decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None
-        timing = {"original": dataclasses.asdict(timed[0]), "rewritten": dataclasses.asdict(timed[1])}
-    form = _form(selection, fused)
-    described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
-    outcome = Outcome(selection, form, base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after), estimate, prefill, decode,
-                      timing, described, str(times.placement))
-    report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
-    written = graph.write(rewritten, out, like=model_path, extra={report: json.dumps(outcome.to_json(), indent=2)})
-    return outcome, written
+def _selection(model: ir.Model, chosen: _Chosen, stats: dict[str, list[float | None]], fits: dict[int, FitResult], runs: Trials,
+               again: _Refit | None, *, fit_passes: int, requantize: str, **fields) -> Selection:
+    """The Selection of the greedy's chosen set, with the refit's fixes and cost when it kept them; `fields`: the rest as they are."""
+    dnll, divergence = chosen.dnll, chosen.divergence
+    if again is not None and again.report["kept"]:
+        fits, dnll, divergence = again.fits, again.dnll, again.divergence
+    compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
+    return Selection(
+        layers=tuple(sorted(chosen.forms)),
+        forms=dict(sorted(chosen.forms.items())),
+        c=tuple(stats["c"]),
+        c_stream=tuple(stats["c_stream"]),
+        c_comp=tuple(stats["c_comp"]),
+        alpha=tuple(stats["alpha"]),
+        fits=fits,
+        trials=chosen.trials,
+        base_loss=runs.base.loss,
+        dnll=dnll,
+        divergence=divergence,
+        refit=None if again is None else again.report,
+        fit_passes=fit_passes + (again.passes if again else 0),
+        forward_passes=runs.passes + (again.trials.passes if again else 0),
+        blocks_run=runs.blocks_run + (again.trials.blocks_run if again else 0),
+        stopped=chosen.stopped,
+        requantize=requantize if set(compensation.quantized_outputs(model)) & compensated else None,
+        **fields,
+    )

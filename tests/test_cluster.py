@@ -82,15 +82,15 @@ def test_diagnose_on_ray_from_the_cli_prints_no_ray_notices(fixture_path, tmp_pa
 @pytest.mark.slow
 def test_auto_selection_on_ray_actors_equals_the_in_process_run(fixture_path, tmp_path):
     pytest.importorskip("ray")
-    from surgery import select
+    from surgery import job, select, trials
 
     from threadpoolctl import threadpool_limits
 
     kwargs = dict(seq_len=32, fit_windows=4, windows=8, eval_windows=2, measure_latency=False, budget=select.Budget(None, 1.0))
     with threadpool_limits(1), pytest.MonkeyPatch.context() as patch:  # one BLAS thread, as each actor has: the fit's float32 products then sum in the same order
-        patch.setattr(select.resumable, "resumable", lambda board, blocks: None)  # whole passes, as on Ray (resumed ones: test_select)
-        here, _ = select.auto(fixture_path("llama"), tmp_path / "here", options=runtime.Options(threads=1), **kwargs)
-    there, _ = select.auto(fixture_path("llama"), tmp_path / "there", workers=2, **kwargs)
+        patch.setattr(trials.resumable, "resumable", lambda board, blocks: None)  # whole passes, as on Ray (resumed ones: test_select)
+        here, _ = job.auto(fixture_path("llama"), tmp_path / "here", options=runtime.Options(threads=1), **kwargs)
+    there, _ = job.auto(fixture_path("llama"), tmp_path / "there", workers=2, **kwargs)
     assert there.selection.layers == here.selection.layers and len(here.selection.trials) >= 3
     for a, b in zip(here.selection.trials, there.selection.trials):
         assert (a.layer, a.form, a.kept) == (b.layer, b.form, b.kept)

@@ -134,7 +134,7 @@ def test_drift_correcting_fit_equals_numpy_on_the_rewritten_graph_s_taps(fixture
     from surgery.analysis import probe as probe_graph
     from surgery.facts import embedding_table
     from surgery.runtime import feeds, session
-    from surgery.select import rewrite
+    from surgery.job import rewrite
 
     path = fixture_path("llama")
     model = graph.load(path)

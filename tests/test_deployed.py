@@ -375,7 +375,7 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
     """The same weights built by the GenAI builder and by optimum: the one-pass scores and the single-layer
     dNLLs agree; auto on the int4 build ranks by C_l^comp and writes compensated MatMulNBits blocks, their codes
     chosen error-aware, with as many MatMulNBits as the input."""
-    from surgery import select
+    from surgery import job, select
     from surgery.diagnostics import diagnose
 
     reports = [
@@ -385,8 +385,8 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
     for section, key in (("deficit", "deficit"), ("defect", "c"), ("defect", "c_stream"), ("gate", "alpha"), ("defect", "dnll_parallel")):
         np.testing.assert_allclose(reports[1][section][key], reports[0][section][key], rtol=1e-3, atol=1e-5, err_msg=key)
 
-    outcome, written = select.auto(builds.variant("genai-int4"), tmp_path / "auto", seq_len=64, fit_windows=4, windows=2, eval_windows=2,
-                                   measure_latency=False, budget=select.Budget(None, None))
+    outcome, written = job.auto(builds.variant("genai-int4"), tmp_path / "auto", seq_len=64, fit_windows=4, windows=2, eval_windows=2,
+                                measure_latency=False, budget=select.Budget(None, None))
     chosen = outcome.selection
     assert chosen.score == "c_comp" and chosen.layers == (0, 1, 2) and set(chosen.forms.values()) == {"compensated"}
     assert chosen.requantize == "gptq" and all(chosen.fits[layer].fix.packed[0] is not None for layer in range(3))

@@ -16,7 +16,7 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import evaluate, facts, graph, runtime, select
+from surgery import evaluate, facts, graph, job, runtime
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.export import export
@@ -200,7 +200,7 @@ def test_fused_rmsnorm_squares_in_float32(pair):
 def test_fitted_fixes_in_fp16_match_the_fp32_fit(pair):
     """parallelize --layers 0,2 --compensate (and --fuse): the fit reads fp16 activations, sums in float64."""
     fits = [
-        select.fit_fixes(m, folder, {0, 2}, seq_len=64, fit_windows=8)
+        job.fit_fixes(m, folder, {0, 2}, seq_len=64, fit_windows=8)
         for m, folder in ((pair.m32, pair.fp32), (pair.m16, pair.fp16))
     ]
     assert set(fits[0]) == set(fits[1]) == {0, 2}
@@ -209,14 +209,14 @@ def test_fitted_fixes_in_fp16_match_the_fp32_fit(pair):
         assert a.w_p.dtype == b.w_p.dtype == np.float64
         assert np.abs(b.w_p - a.w_p).max() < 5e-3 * np.abs(a.w_p).max()  # measured 8.8e-4 of the fix's scale
     for fused in (False, True):
-        models = [select.rewrite(m, {0, 2}, fused=fused, fixes=f).model for m, f in zip((pair.m32, pair.m16), fits)]
+        models = [job.rewrite(m, {0, 2}, fused=fused, fixes=f).model for m, f in zip((pair.m32, pair.m16), fits)]
         assert_keeps_float16(pair.m16, models[1])
         assert relative_error(logits(models[1]), logits(models[0])) < TOL
 
 
 def test_auto_selection_runs_on_fp16(pair, tmp_path):
     """parallelize --layers auto on the fp16 graph: fit, switchboard, greedy selection, written fp16 model."""
-    outcome, written = select.auto(pair.fp16, tmp_path / "auto", seq_len=64, windows=2, fit_windows=4, eval_windows=2, measure_latency=False)
+    outcome, written = job.auto(pair.fp16, tmp_path / "auto", seq_len=64, windows=2, fit_windows=4, eval_windows=2, measure_latency=False)
     model = graph.load(written)
     assert np.isfinite(outcome.dnll_eval.dnll) and np.isfinite(outcome.selection.dnll.dnll)
     floats = {v.const_value.dtype for v in model.graph.initializers.values() if v.const_value.dtype.is_floating_point()}

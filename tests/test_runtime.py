@@ -227,14 +227,14 @@ def test_the_speedup_estimate_is_profiled_where_the_latency_runs(cuda_asked, fix
 
 
 def test_the_main_job_profiles_its_estimate_with_the_latencys_options(monkeypatch, fixture_path, tmp_path):
-    from surgery import select
+    from surgery import job
 
     seen = {}
     real = evaluate.branch_times
     monkeypatch.setattr(evaluate, "branch_times", lambda model, **kw: seen.setdefault("estimate", kw["options"]) and real(model, **kw))
     monkeypatch.setattr(evaluate, "latency", lambda models, **kw: seen.setdefault("latency", kw["options"]) and [_cuda_latency()] * 2)
     options = runtime.Options(device="cpu", threads=1)
-    outcome, _ = select.auto(fixture_path("llama"), tmp_path / "out", seq_len=16, windows=2, eval_windows=1, fit=None, repeats=1, options=options)
+    outcome, _ = job.auto(fixture_path("llama"), tmp_path / "out", seq_len=16, windows=2, eval_windows=1, fit=None, repeats=1, options=options)
     assert seen == {"estimate": options, "latency": options}
     assert outcome.estimate_placement == "CPU"
 

@@ -10,7 +10,8 @@ from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.passes import Fix, ablate, fuse, parallelize
-from surgery.select import Budget, _forms, rewrite, select_layers
+from surgery.job import rewrite
+from surgery.select import Budget, _forms, select_layers
 
 runner = CliRunner()
 
@@ -45,7 +46,7 @@ def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
     """A trial that adds block l starts at block l from the accepted set's stream; its KL, top-1 and dNLL are those
     of the written graph of the whole set, scored from block 0, whatever was accepted before it."""
     from surgery import cluster, compensation
-    from surgery.select import Trials
+    from surgery.trials import Trials
 
     path = fixture_path("llama")
     model = graph.load(path)
@@ -335,7 +336,7 @@ def test_a_compensation_that_cannot_be_made_is_never_silent(fixture_path, tmp_pa
 def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, tmp_path, monkeypatch):
     import onnx
 
-    from surgery import compensation, select
+    from surgery import compensation, job
 
     folder = tmp_path / "llama"
     folder.mkdir()
@@ -348,7 +349,7 @@ def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, 
     onnx.save(proto, folder / "model.onnx")
     monkeypatch.setattr(compensation, "fit", lambda *a, **k: pytest.fail("the fit ran before the refusal"))
     with pytest.raises(SurgeryError, match="cannot fuse block 1: the normalisations' epsilon is not one constant"):
-        select.auto(folder, tmp_path / "out", fused=True, seq_len=32, windows=2, fit_windows=4, eval_windows=2, measure_latency=False)
+        job.auto(folder, tmp_path / "out", fused=True, seq_len=32, windows=2, fit_windows=4, eval_windows=2, measure_latency=False)
     assert not (tmp_path / "out").exists()
     monkeypatch.undo()
     result = runner.invoke(app, ["parallelize", str(folder), "--fuse", "--protect-first", "2", "--seq-len", "32", "--windows", "2",

@@ -104,7 +104,7 @@ def test_auto_parallel_with_defaults_keeps_ten_blocks_within_the_kl_budget_and_f
     about +-0.016, as wide as the limit (+0.0286 on these 8 windows when this was written, +0.0123 [+0.0092, +0.0154]
     on all 336 of the evaluation part: `surgery evaluate ... --max-windows all`)."""
     from surgery import data
-    from surgery.select import auto, rewrite
+    from surgery.job import auto, rewrite
 
     outcome, written = auto(smollm2, tmp_path / "auto", measure_latency=False)
     sel = outcome.selection

@@ -1,0 +1,147 @@
+"""The main job of `surgery parallelize`: auto (load, fit, select, rewrite, evaluate, time, write) and its Outcome,
+and what explicit --layers runs: fit_fixes and rewrite."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import onnx_ir as ir
+
+from surgery import cluster, compensation, data, evaluate, graph, runtime
+from surgery.blocks import BlockMap, find_blocks
+from surgery.errors import SurgeryError
+from surgery.evaluate import Delta
+from surgery.passes import Fix, compensate, fuse, parallelize
+from surgery.passes.fuse import refusal as fuse_refusal
+from surgery.select import Fit, Progress, Selection, select_layers
+
+
+def fit_fixes(model: ir.Model, model_path, layers, *, fit: Fit = "full", corpus=None, seq_len=256, fit_windows=64,
+              tokenizer=None, options=runtime.Options(), fit_memory: int | str | None = None, requantize: str = "gptq",
+              input_side: bool = True) -> dict[int, Fix]:
+    """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers).
+    A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
+    windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
+    fits = compensation.fit(model, windows, set(layers), kind=fit, options=options, memory_bytes=compensation.memory_bound(fit_memory),
+                            requantize=requantize, input_side=input_side)
+    for layer, f in sorted(fits.items()):
+        if f.fix is None:
+            raise SurgeryError(f"cannot compensate block {layer}: {f.note}; or parallelize it plain with --no-compensate")
+    return {l: f.fix for l, f in fits.items()}
+
+
+def rewrite(model: ir.Model, layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
+    """Make `layers` parallel, plain (ln2 reads resid_pre) or fused; the layers in `fixes` get their
+    fix folded into the output projections (compensated, or calibrated with Fix.gate). Returns a SurgeryResult."""
+    fixes = {l: f for l, f in (fixes or {}).items() if l in set(layers)}
+    if fused:
+        return fuse(model, layers, fixes)
+    first = compensate(model, fixes) if fixes else None
+    rest = parallelize(first.model if first else model, [l for l in layers if l not in fixes])
+    changes = {c.layer: c for c in (first.changes if first else ()) + rest.changes}
+    return dataclasses.replace(rest, changes=tuple(changes[l] for l in sorted(changes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What `surgery parallelize --layers auto` reports and writes to selection.json."""
+
+    selection: Selection
+    form: str  # "plain", "compensated", "calibrated", each maybe "fused ..."
+    base_loss_eval: float
+    dnll_eval: Delta  # held-out evaluation windows, 95 % paired bootstrap interval
+    eval_tokens: int
+    divergence_eval: evaluate.Divergence  # KL vs the original, p99, top-1 agreement on the evaluation windows
+    estimated_speedup: float  # the paper's max(t_attn, t_mlp) estimate, from per-branch kernel times
+    prefill_ratio: float | None  # original / rewritten, one interleaved run
+    decode_ratio: float | None
+    latency: dict | None
+    windows: dict  # fit / selection / evaluation: count and tokens
+    estimate_placement: str | None = None  # where the estimate's kernels were profiled: the latency's device
+
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["selection"] = self.selection.to_json()
+        data["dnll_eval"] = self.dnll_eval.dnll
+        data["dnll_eval_interval"] = [self.dnll_eval.low, self.dnll_eval.high]
+        data["divergence_eval"] = self.divergence_eval.to_json()
+        return data
+
+
+def auto(
+    model_path,
+    out,
+    *,
+    corpus=None,
+    seq_len: int = 256,
+    windows: int = 16,
+    fit_windows: int = 64,
+    eval_windows: int = 8,
+    fit: Fit | None = "full",
+    fused: bool = False,
+    measure_latency: bool = True,
+    repeats: int = 20,
+    tokenizer=None,
+    options: runtime.Options = runtime.Options(),
+    progress: Progress | None = None,
+    workers: int | None = None,
+    ray: str | None = None,
+    **greedy,
+) -> tuple[Outcome, Path]:
+    """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path.
+    greedy: how select_layers chooses (score, budget, max_layers, patience, protect_first, protect_last,
+    try_both, refit). workers / ray: the selection's trials are scored on a local Ray cluster of that many
+    CPUs / on the Ray cluster at that address, and so is the fit pass (the evaluation stays in this process).
+
+    Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
+    dNLL checks); the reported dNLL is on the disjoint evaluation windows.
+    """
+    tell = progress or (lambda stage, done, total: None)
+    model = graph.load(model_path)
+    graph.check_output(out, model_path, model)
+    blocks = find_blocks(model, where=str(model_path))
+    if fused:  # before any work: a block that cannot be fused would fail only after the fit and the selection
+        _check_fusable(model, blocks[greedy.get("protect_first", 0) : len(blocks) - greedy.get("protect_last", 0)])
+    get = lambda part, count: data.windows(model_path, corpus, seq_len=seq_len, max_windows=count, part=part, tokenizer=tokenizer)  # noqa: E731
+    if fit is not None:
+        fit_part, sel = data.deal(get("calibration", fit_windows + windows), [fit_windows, windows], ["fit", "selection"])
+    else:
+        fit_part, sel = None, get("calibration", windows)
+    ev = get("evaluation", eval_windows)
+    with cluster.pool(workers, ray, device=options.device) as pool:
+        selection = select_layers(model, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
+    rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
+    # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
+    step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
+    base, after = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
+    times = evaluate.branch_times(model, seq_len=seq_len, runs=3, options=options)  # on the latency's device
+    estimate = times.estimated_speedup(selection.layers)
+    prefill = decode = timing = None
+    if measure_latency:
+        prefill, decode, timing = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell)
+    described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
+    outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after), estimate,
+                      prefill, decode, timing, described, str(times.placement))
+    report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
+    written = graph.write(rewritten, out, like=model_path, extra={report: json.dumps(outcome.to_json(), indent=2)})
+    return outcome, written
+
+
+def _check_fusable(model: ir.Model, blocks: list[BlockMap]) -> None:
+    """Refuse --fuse when one of the sequential `blocks` (those auto may choose) cannot be fused."""
+    for block in blocks:
+        if not block.is_parallel and (why := fuse_refusal(model, block)) is not None:
+            raise SurgeryError(f"{why} (--fuse applies to every chosen block; drop --fuse or protect the block)")
+
+
+def _latency(model: ir.Model, rewritten: ir.Model, *, seq_len: int, repeats: int, options: runtime.Options,
+             tell: Progress) -> tuple[float, float | None, dict]:
+    """Prefill and decode speed-ups (original / rewritten; decode None when either has no decode time) from one
+    interleaved run of both, and the run's timings."""
+    timed = evaluate.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
+                             progress=evaluate.counter(tell, "latency (interleaved)", repeats))
+    prefill = timed[0].prefill_ms / timed[1].prefill_ms
+    decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None
+    return prefill, decode, {"original": dataclasses.asdict(timed[0]), "rewritten": dataclasses.asdict(timed[1])}

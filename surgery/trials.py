@@ -1,0 +1,105 @@
+"""The selection's trials: each one scores a chosen set of parallel blocks against the original on the selection
+windows, in one switchboard session (here or on Ray actors), resumed from the accepted set's stream where it can be."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import onnx_ir as ir
+
+from surgery import cluster, compensation, data, evaluate, runtime
+from surgery.analysis import resumable
+from surgery.analysis import switchboard as board_graph
+from surgery.blocks import find_blocks
+from surgery.compensation import KINDS
+from surgery.data import Windows
+from surgery.evaluate import Delta
+from surgery.facts import embedding_table, stream_dtype
+from surgery.passes import Fix
+from surgery.passes.common import narrower_than_float32
+
+if TYPE_CHECKING:
+    from surgery.select import Form
+
+BATCH = 4  # selection windows scored together: one job for a Ray actor
+KEEP_BYTES = 1 << 30  # the streams a resumed selection keeps (checkpoints): at most this, or an eighth of the available memory
+
+
+class TrialScorer(evaluate.Scorer):
+    """A switchboard's scoring session (here or on a Ray actor) that runs one batch of selection windows at a time."""
+
+    def run(self, windows: Windows, extra: dict, reference=None) -> tuple[evaluate.Perplexity, dict | None, list | None]:
+        """The batch's score (KL and top-1 against `reference`, when given); the streams it keeps; without a reference,
+        its own log-probs (the original's Reference of the batch)."""
+        kept, record = ({} if self.keep else None), ([] if reference is None else None)
+        scored = self(windows, batch_size=len(windows), extra=extra, kept=kept, reference=None if reference is None else [reference], record=record)
+        return scored, kept, record
+
+
+class Trials:
+    """The selection's trials: the switchboard of KINDS with the fixes in one scoring session, each trial the whole
+    chosen set against the original on the selection windows, in batches of BATCH.
+
+    Resumed (in this process, float32 or wider, when the graph allows: resumable.resumable): the session keeps the
+    residual stream of the set accepted so far at checkpoint blocks (the candidates' blocks, as many as KEEP_BYTES
+    holds), and a trial that adds block l to it starts at the last checkpoint <= l, from that stream, since no block
+    before l differs from the accepted set's. A trial then costs the blocks from there on and the logits."""
+
+    def __init__(self, model: ir.Model, fixes: dict[int, Fix], windows: Windows, candidates: list[int], pool: cluster.Pool,
+                 options: runtime.Options, baseline: "Trials | None" = None):
+        """baseline: Trials of the same model and windows whose unchanged run to reuse (no resumed trials then)."""
+        blocks = find_blocks(model)
+        self.n = len(blocks)
+        board = board_graph.switchboard(model, KINDS, fixes)
+        resume = None
+        if baseline is None and not pool.distributed and not narrower_than_float32(stream_dtype(model).numpy()):
+            resume = resumable.resumable(board, blocks)
+        self.batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
+        self.resume, self.checkpoints = resume, ()
+        if resume is not None:
+            per_block = windows.ids.size * stream_dtype(model).numpy().itemsize * embedding_table(model)[1]
+            room = max(1, min(KEEP_BYTES, (compensation.available_memory() or KEEP_BYTES * 8) // 8) // max(per_block, 1))
+            layers = sorted({l for l in candidates if 0 < l < self.n})
+            self.checkpoints = tuple(layers[i] for i in data.spread(len(layers), room))
+        keep = tuple(resume.resid_post[c - 1] for c in self.checkpoints) if resume else ()
+        make = functools.partial(TrialScorer, options=pool.options(options), compare=True, keep=keep)
+        self.scorers = pool.actors(resume.model if resume else board, make)
+        self.passes, self.blocks_run = 0, 0
+        self.streams: list[dict] = [{} for _ in self.batches]  # per batch: the accepted set's stream at each checkpoint
+        self.base, self.reference = (baseline.base, baseline.reference) if baseline else self._baseline()
+
+    def _baseline(self) -> tuple[evaluate.Perplexity, list]:
+        parts = list(self.scorers.map("run", [(batch, self._extra({}, 0, b)) for b, batch in enumerate(self.batches)]))
+        self.passes, self.blocks_run = self.passes + 1, self.blocks_run + self.n
+        self.streams = [kept or {} for _, kept, _ in parts]
+        reference = [self.scorers.share(r) for _, _, refs in parts for r in refs]  # [BATCH, seq, vocab] float32, sent to Ray actors once
+        return evaluate.joined([p for p, _, _ in parts]), reference
+
+    def _extra(self, on: dict, start: int, batch: int) -> dict:
+        extra = {board_graph.SWITCHES: board_graph.switches(KINDS, self.n, on)}
+        return extra | self.resume.inputs(start, self.streams[batch]) if self.resume else extra
+
+    def start(self, layer: int) -> int:
+        """Where a trial adding `layer` to the accepted set starts: the last checkpoint at or before it, or block 0."""
+        return max((c for c in self.checkpoints if c <= layer), default=0)
+
+    def loss(self, forms: dict[int, Form], new: int | None = None) -> tuple[Delta, evaluate.Divergence, dict]:
+        """dNLL and KL of the blocks in `forms` against the original; `new`: the one block `forms` adds to the accepted
+        set (None: run from block 0). Also what `accept` needs to make it the accepted set."""
+        start = 0 if new is None else self.start(new)
+        on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
+        jobs = [(batch, self._extra(on, start, b), ref) for b, (batch, ref) in enumerate(zip(self.batches, self.reference))]
+        parts = list(self.scorers.map("run", jobs))
+        self.passes += 1
+        self.blocks_run += self.n - start
+        p = evaluate.joined([part for part, _, _ in parts])
+        return evaluate.delta(self.base, p), evaluate.divergence(p), {"start": start, "kept": [kept for _, kept, _ in parts]}
+
+    def accept(self, trial: dict) -> None:
+        """Make a trial's set the accepted one: the streams at checkpoints after its start come from its run."""
+        if not self.resume:
+            return
+        later = {self.resume.resid_post[c - 1] for c in self.checkpoints if c > trial["start"]}
+        for streams, kept in zip(self.streams, trial["kept"]):
+            streams.update({name: kept[name] for name in later})
