@@ -19,7 +19,7 @@ import time
 import numpy as np
 from common import lm_head, smollm2
 
-from surgery import compensation, data, graph, runtime
+from surgery import data, equations, graph, runtime
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-2, 1.0)
 
@@ -73,11 +73,11 @@ def main() -> None:
     gram = original.weight.astype(np.float64) @ original.weight.T.astype(np.float64)
 
     def held_out_error(ridge: float) -> float:  # E|(z B - n) W_lm|^2 on fold 1, up to a constant
-        b = compensation._ridge_solve(zz[0], zt[0], ridge)
+        b = equations._ridge_solve(zz[0], zt[0], ridge)
         return float(np.trace(b.T @ zz[1] @ b @ gram) - 2 * np.trace(b.T @ zt[1] @ gram))
 
     ridge = min(RIDGES, key=held_out_error)
-    b = compensation._ridge_solve(zz.sum(0), zt.sum(0), ridge).astype(np.float32)
+    b = equations._ridge_solve(zz.sum(0), zt.sum(0), ridge).astype(np.float32)
     head = (b[:-1] @ rewritten.weight, b[-1] @ rewritten.weight)  # the folded lm_head: weight and bias
     print(f"fitted on {len(fit)} windows in {time.perf_counter() - clock:.0f} s, ridge {ridge:g}")
 

@@ -18,7 +18,8 @@ from common import smollm2
 
 from surgery import compensation, data, graph, runtime
 from surgery.analysis import switchboard as board_graph
-from surgery.compensation import KINDS, RIDGES, _choose_ridge, fit_tap
+from surgery.analysis.fit_graph import KINDS, fit_tap
+from surgery.equations import RIDGES, _choose_ridge
 from surgery.passes import projection
 
 

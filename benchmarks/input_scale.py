@@ -20,7 +20,7 @@ import argparse
 import numpy as np
 from common import main_job_windows, smollm2
 
-from surgery.compensation import RIDGES
+from surgery.equations import RIDGES
 from surgery.export import resolve_source
 
 

@@ -30,10 +30,11 @@ import onnx_ir as ir
 from surgery import cluster, compensation, data, evaluate, graph, runtime
 from surgery.analysis import resumable
 from surgery.analysis import switchboard as board_graph
+from surgery.analysis.fit_graph import KINDS
 from surgery.analysis.probe import defect_scores
 from surgery.blocks import find_blocks
-from surgery.compensation import KINDS, FitResult
 from surgery.data import Windows
+from surgery.equations import FitResult
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.facts import embedding_table, stream_dtype
