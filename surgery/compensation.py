@@ -271,9 +271,9 @@ def fit(
     input_side: bool = True,
     input_windows: int | None = None,
 ) -> dict[int, FitResult]:
-    """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that
-    normalises its branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares) or `gate` (alpha_l). Each FitResult also carries the
-    block's uncompensated scores.
+    """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that normalises its
+    branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares)
+    or `gate` (alpha_l). Each FitResult also carries the block's uncompensated scores.
 
     The layers are fitted in passes over the windows, as many at a time as `memory_bytes` holds (module docstring).
     Each pass runs only its own blocks: it starts from the stream the pass before handed on (kept per window) and
@@ -350,10 +350,11 @@ def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], ki
             result = dataclasses.replace(result, fix=None, note=plan.no_fold[layer])
         elif result.fix is not None:
             # a block compensated while fitted (the refit) keeps its fix's input side, which its mlp read
-            side = input_sides[layer][0] if layer in input_sides else (plan.fixes.get(layer) if layer in plan.compensated else None)
+            kept = plan.fixes.get(layer) if layer in plan.compensated else None
+            side, residual = input_sides.get(layer, (kept, None))
             if side is not None and side.fixes_input:
                 fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in)
-                result = dataclasses.replace(result, fix=fix, input_residual=input_sides[layer][1] if layer in input_sides else None)
+                result = dataclasses.replace(result, fix=fix, input_residual=residual)
             if sums[layer].grams:
                 result = dataclasses.replace(result, fix=requantized(plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
         results[layer] = result
