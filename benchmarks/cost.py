@@ -158,7 +158,7 @@ class Rates:
     def measure(cls, s: Shape, scratch: Path) -> Rates:
         from graphs import big_decoder
         from surgery import graph, runtime
-        from surgery.compensation import NormalEquations
+        from surgery.equations import NormalEquations
 
         rng = np.random.default_rng(0)
         t = 256
@@ -255,13 +255,14 @@ def _update(model, rng, t: int, windows: int = 8) -> float:
     sums, which a fit over tens of windows pays once per layer)."""
     from surgery import runtime
     from surgery.analysis import switchboard as board_graph
-    from surgery.compensation import KINDS, Accumulator, fit_graph
+    from surgery.analysis.fit_graph import KINDS, fit_graph
+    from surgery.compensation import Accumulator
 
     accumulator = Accumulator(fit_graph(model), runtime.Options(spinning=False))
     switches = board_graph.switches(KINDS, 1)
     ids = rng.integers(0, 512, (1 + windows, t))
     accumulator.run([0], ids[:1], 0, switches)  # warm
-    one = accumulator.run([0], ids[:1], 0, switches)[3]["accumulate"]
+    one = accumulator.run([0], ids[:1], 0, switches)[-1]["accumulate"]
     return (accumulator.run([0], ids, 0, switches)[3]["accumulate"] - one) / windows
 
 

@@ -29,9 +29,10 @@ from typing import Literal, get_args
 import onnx_ir as ir
 
 from surgery import cluster, compensation, evaluate, runtime
+from surgery.analysis.fit_graph import KINDS
 from surgery.analysis.probe import defect_scores
 from surgery.blocks import BlockMap, find_blocks
-from surgery.compensation import KINDS, FitResult
+from surgery.equations import FitResult
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta

@@ -1,10 +1,12 @@
-"""The compensation fit (NumPy reference): normal equations, ridge choice, gate, guards."""
+"""The compensation fit (NumPy reference): normal equations, ridge choice, gate, guards; the fit graph and its passes."""
 
 import numpy as np
 import pytest
 
 from surgery import compensation, data, graph
-from surgery.compensation import NormalEquations
+from surgery.analysis import fit_graph
+from surgery.equations import RIDGES, NormalEquations
+from surgery.facts import embedding_table
 
 
 def planted(d=6, n=400, seed=0, noise=0.0):
@@ -27,7 +29,7 @@ def accumulate(a, p, delta, y, chunk=50):
 def test_the_fit_recovers_a_planted_linear_defect():
     a, p, delta, y, (w_a, w_p, b) = planted()
     fit = accumulate(a, p, delta, y).solve(0)
-    assert fit.ridge == min(compensation.RIDGES)  # exact data: the least ridge leaves the least held-out energy
+    assert fit.ridge == min(RIDGES)  # exact data: the least ridge leaves the least held-out energy
     for got, want in ((fit.fix.w_a, w_a), (fit.fix.w_p, w_p), (fit.fix.b, b)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     assert fit.residual < 1e-10 and fit.tokens == len(a)
@@ -45,7 +47,7 @@ def test_held_out_residual_and_scores_equal_direct_numpy():
     left = np.sum((d1 - z1 @ w) ** 2)
     assert fit.residual == pytest.approx(left / np.sum(d1**2), rel=1e-8)
     assert fit.c_comp == pytest.approx(left / np.sum(y[folds == 1] ** 2), rel=1e-8)
-    for r in compensation.RIDGES:  # and no other ridge does better on fold 1
+    for r in RIDGES:  # and no other ridge does better on fold 1
         wr = np.linalg.solve(g + r * np.diag(np.diag(g)), z0.T @ d0)
         assert np.sum((d1 - z1 @ wr) ** 2) >= left * (1 - 1e-9)
     h = p + delta
@@ -54,49 +56,6 @@ def test_held_out_residual_and_scores_equal_direct_numpy():
     assert fit.scores["alpha"] == pytest.approx(np.sum(h * p) / np.sum(p**2), rel=1e-10)
     gate = eq.solve(0, kind="gate")
     assert gate.fix.w_p == pytest.approx(fit.scores["alpha"] - 1) and gate.fix.w_a is None
-
-
-def test_token_weights_give_the_numpy_weighted_least_squares():
-    """Each token's terms weighed by w_t: the ridge choice, held-out residual and fix of a weighted least squares."""
-    a, p, delta, y, _ = planted(noise=2.0, n=300)
-    w = np.random.default_rng(1).uniform(0.1, 3.0, len(a))
-    eq = NormalEquations(a.shape[1])
-    for i, lo in enumerate(range(0, len(a), 50)):
-        s = slice(lo, lo + 50)
-        eq.update(i % 2, a[s], p[s], delta[s], y[s], weight=w[s])
-    fit = eq.solve(0)
-    folds = (np.arange(len(a)) // 50) % 2
-    z = np.concatenate([a, p, np.ones((len(a), 1))], axis=1)
-    root = np.sqrt(w)[:, None]
-    zw, dw = z * root, delta * root
-    z0, d0, z1, d1 = zw[folds == 0], dw[folds == 0], zw[folds == 1], dw[folds == 1]
-    g = z0.T @ z0
-    lefts = {r: np.sum((d1 - z1 @ np.linalg.solve(g + r * np.diag(np.diag(g)), z0.T @ d0)) ** 2) for r in compensation.RIDGES}
-    assert fit.ridge == min(lefts, key=lefts.get)
-    assert fit.residual == pytest.approx(lefts[fit.ridge] / np.sum(d1**2), rel=1e-8)
-    assert fit.c_comp == pytest.approx(lefts[fit.ridge] / np.sum(w[folds == 1, None] * y[folds == 1] ** 2), rel=1e-8)
-    full = zw.T @ zw
-    want = np.linalg.solve(full + fit.ridge * np.diag(np.diag(full)), zw.T @ dw)
-    got = np.concatenate([fit.fix.w_a, fit.fix.w_p, fit.fix.b[None]])
-    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9 * np.abs(want).max())
-    unweighted = accumulate(a, p, delta, y).solve(0)
-    assert not np.allclose(unweighted.fix.w_p, fit.fix.w_p, atol=1e-6)
-
-
-def test_a_window_of_zero_weights_is_a_window_left_out(fixture_path):
-    """fit(token_weights) on a graph: windows 2 and 3 weighted 0 give the fixes of windows 0 and 1 alone."""
-    path = fixture_path("llama")
-    model = graph.load(path)
-    windows = data.windows(path, seq_len=32, max_windows=4, part="calibration")
-    ones, zeros = np.ones(windows.seq_len - 1), np.zeros(windows.seq_len - 1)
-    weighted = compensation.fit(model, windows, token_weights=[ones, 2 * ones, zeros, zeros])
-    alone = compensation.fit(model, windows.take([0, 1]), token_weights=[ones, 2 * ones])
-    plain = compensation.fit(model, windows.take([0, 1]))
-    for layer in alone:
-        for part in ("w_a", "w_p", "b"):
-            np.testing.assert_allclose(getattr(weighted[layer].fix, part), getattr(alone[layer].fix, part), rtol=1e-9, atol=1e-12)
-        assert weighted[layer].ridge == alone[layer].ridge
-        assert not np.allclose(alone[layer].fix.w_p, plain[layer].fix.w_p, atol=1e-9)
 
 
 def test_ill_conditioned_or_broken_layers_never_give_non_finite_weights():
@@ -127,50 +86,11 @@ def test_fit_on_a_graph_lowers_the_held_out_defect(fixture_path):
         assert f.fix is not None and 0 < f.residual < 1 and f.c_comp < f.c_stream
 
 
-def test_drift_correcting_fit_equals_numpy_on_the_rewritten_graph_s_taps(fixture_path):
-    """With block 0 compensated in place, blocks 1 and 2 are fitted to the original model's resid_post:
-    target y - (x' + A' + P') with x', A', P' tapped (analysis.probe) from the graph `rewrite` writes, solved
-    in NumPy with the ridge the fit chose. On the unmodified stream the drift fit is the defect's own fit."""
-    from surgery.analysis import probe as probe_graph
-    from surgery.facts import embedding_table
-    from surgery.runtime import feeds, session
-    from surgery.job import rewrite
-
-    path = fixture_path("llama")
-    model = graph.load(path)
-    windows = data.windows(path, seq_len=32, max_windows=12, part="calibration")
-    stream: dict = {}
-    first = compensation.fit(model, windows, keep_stream=stream, input_side=False)  # the drift fit has no input side
-    same = compensation.fit(model, windows, drift=stream)
-    for layer in first:
-        np.testing.assert_allclose(same[layer].fix.w_p, first[layer].fix.w_p, rtol=1e-6, atol=1e-9)
-    fix0 = first[0].fix
-    on = {("parallelize",): {0}, ("compensate",): {0}}
-    drifted = compensation.fit(model, windows, {1, 2}, fixes={0: fix0}, on=on, drift=stream)
-    written = rewrite(model, [0], fixes={0: fix0}).model
-    probe = probe_graph.probe(written)
-    sess = session(probe.model)
-    for layer in (1, 2):
-        taps = probe.outputs[layer]
-        names = [taps[k] for k in ("resid_pre", "attn_out", "mlp_out_on_pre")]
-        k = 2 * embedding_table(model)[1] + 1
-        zz, zt = np.zeros((k, k)), np.zeros((k, k // 2))
-        for i in range(len(windows)):
-            x, a, p = (t[0, 1:].astype(np.float64) for t in sess.run(names, feeds(sess, windows.ids[i : i + 1])))
-            z = np.concatenate([a, p, np.ones((len(a), 1))], axis=1)
-            zz += z.T @ z
-            zt += z.T @ (stream[layer][i] - (x + a + p))
-        want = compensation._ridge_solve(zz, zt, drifted[layer].ridge)
-        got = np.concatenate([drifted[layer].fix.w_a, drifted[layer].fix.w_p, drifted[layer].fix.b[None]])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-        assert not np.allclose(got, np.concatenate([first[layer].fix.w_a, first[layer].fix.w_p, first[layer].fix.b[None]]), atol=1e-6)
-
-
 def test_the_fit_makes_as_many_passes_as_the_memory_bound_needs_and_says_so(fixture_path):
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=16, max_windows=4, part="calibration")
-    one_layer = NormalEquations.nbytes(compensation.embedding_table(model)[1])
+    one_layer = NormalEquations.nbytes(embedding_table(model)[1])
     assert compensation.passes(model, input_side=False) == 1 and compensation.passes(model, {0, 2}, input_side=False) == 1
     assert compensation.passes(model) == 2 and compensation.passes(model, kind="gate") == 1  # the input side's pass first
     assert compensation.passes(model, memory_bytes=one_layer) == 6
@@ -193,19 +113,19 @@ def test_a_pass_runs_only_its_own_blocks(fixture_path):
     from surgery.analysis.switchboard import SWITCHES, switches
 
     model = graph.load(fixture_path("llama"))
-    whole = compensation.fit_graph(model)
-    first = compensation.fit_graph(model, layers=[0], hand_on=1)
-    middle = compensation.fit_graph(model, layers=[1], resume=1, hand_on=2)
+    whole = fit_graph.fit_graph(model)
+    first = fit_graph.fit_graph(model, layers=[0], hand_on=1)
+    middle = fit_graph.fit_graph(model, layers=[1], resume=1, hand_on=2)
     matmuls = lambda m: sum(n.op_type == "MatMul" for n in m.graph.all_nodes())  # noqa: E731
-    assert compensation.RESUME in {v.name for v in middle.graph.inputs}
+    assert fit_graph.RESUME in {v.name for v in middle.graph.inputs}
     assert (matmuls(whole), matmuls(middle)) == (3 * 12 + 1, 12 + 1)  # a block's 12 (7 projections, 2 attention, the twin mlp's 3), the rotary angles' 1
     ids = data.windows(fixture_path("llama"), seq_len=16, max_windows=1, part="calibration").ids
-    run = lambda m, extra: (s := runtime.session(m)).run(None, runtime.feeds(s, ids, extra={SWITCHES: switches(compensation.KINDS, 3), **extra}))  # noqa: E731
+    run = lambda m, extra: (s := runtime.session(m)).run(None, runtime.feeds(s, ids, extra={SWITCHES: switches(fit_graph.KINDS, 3), **extra}))  # noqa: E731
     names = lambda m: [v.name for v in m.graph.outputs]  # noqa: E731
     full = dict(zip(names(whole), run(whole, {})))
-    stream = dict(zip(names(first), run(first, {})))[compensation.STREAM]
-    for name, value in zip(names(middle), run(middle, {compensation.RESUME: stream})):
-        if name != compensation.STREAM:
+    stream = dict(zip(names(first), run(first, {})))[fit_graph.STREAM]
+    for name, value in zip(names(middle), run(middle, {fit_graph.RESUME: stream})):
+        if name != fit_graph.STREAM:
             np.testing.assert_array_equal(value, full[name], err_msg=name)
 
 
@@ -229,7 +149,7 @@ def _numpy_ridge_fit(z: np.ndarray, target: np.ndarray, folds: np.ndarray):
     fit leaves the least energy on fold 1, that held-out fraction, and the fit on both folds with it."""
     z0, t0, z1, t1 = z[folds == 0], target[folds == 0], z[folds == 1], target[folds == 1]
     g0, full = z0.T @ z0, z.T @ z
-    left = {r: np.sum((t1 - z1 @ np.linalg.solve(g0 + r * np.diag(np.diag(g0)), z0.T @ t0)) ** 2) for r in compensation.RIDGES}
+    left = {r: np.sum((t1 - z1 @ np.linalg.solve(g0 + r * np.diag(np.diag(g0)), z0.T @ t0)) ** 2) for r in RIDGES}
     ridge = min(left, key=left.get)
     return ridge, left[ridge] / np.sum(t1**2), np.linalg.solve(full + ridge * np.diag(np.diag(full)), z.T @ target)
 

@@ -238,7 +238,7 @@ def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_pat
 
 
 def test_plain_is_tried_after_a_failed_compensated_trial_only_for_a_bad_fit():
-    from surgery.compensation import FitResult
+    from surgery.equations import FitResult
 
     good = FitResult(0, Fix.gate(0.9), None, 0.4, 0.01, 100, scores={"c_stream": 0.02})
     bad = dataclasses.replace(good, residual=1.7)
