@@ -1,4 +1,4 @@
-"""The fit graph: the switchboard (KINDS) reduced to the taps the compensation fit sums, per sequential block.
+"""The fit graph: the switchboard of the two forms (`kinds`: parallel, compensated) reduced to the taps the compensation fit sums, per sequential block.
 
 attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post (FIT_TAPS), whatever the switches:
 each block's mlp is evaluated a second time, on the input its branch does not read. Where W_o and W_down are
@@ -10,20 +10,26 @@ mlp reads them instead (MLP_IN_TAPS). A graph can resume from an earlier pass's 
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Literal
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from surgery import metadata
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.probe import twin_branch
-from surgery.blocks import BlockMap, branch_nodes, find_blocks
-from surgery.facts import stream_dtype
+from surgery.analysis.switchboard import Switch
+from surgery.blocks import BlockMap, branch_nodes
 from surgery.nodes import Emitter, values_by_name
-from surgery.passes import Fix, projection
-from surgery.passes.compensate import input_fixed, redirect_readers
+from surgery.passes import Compensation, Fix, projection
+from surgery.passes.compensate import NAME as COMPENSATE
+from surgery.passes.compensate import input_fixed, mlp_inputs, redirect_readers
+from surgery.subject import Subject
 
-KINDS = [("parallelize",), ("compensate",)]  # the switchboard kinds every fit and trial uses
+Form = Literal["compensated", "plain"]  # a parallel block with its fix folded in, or without
+PARALLEL = Switch(metadata.PARALLELIZE)
 FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what the fit graph outputs per sequential block
 INPUT_TAPS = ("o_in", "down_in")  # ... and, where W_o and W_down are MatMulNBits, their inputs (the parallel block's)
 MLP_IN_TAPS = ("mlp_u", "mlp_v")  # ... and in the input side's pass: ln2(resid_pre) and ln2(resid_mid) as the mlp reads them
@@ -31,15 +37,30 @@ STAGES = ("inputs", "outputs")  # a fit graph's taps: the input side's (MLP_IN_T
 RESUME, STREAM = "surgery/fit/resid_pre", "surgery/fit/stream"  # a pass's stream into its first block, from the pass before
 
 
+def kinds(fixes: Mapping[int, Fix] | None = None, after_branch: bool = False) -> list[Switch]:
+    """The switchboard kinds every fit and trial uses: parallel, and compensated with `fixes` (a compensated block has
+    both on). after_branch: the fixes are added after the branches (what the fit's taps need)."""
+    return [PARALLEL, Switch(COMPENSATE, Compensation(dict(fixes or {}), after_branch))]
+
+
+def switched(n_layers: int, forms: Mapping[int, Form] | None = None) -> np.ndarray:
+    """The input of a switchboard of `kinds` with each block of `forms` in its form (the rest as they are)."""
+    array = np.zeros((2, n_layers), np.float32)
+    for layer, form in (forms or {}).items():
+        array[0, layer] = 1.0
+        array[1, layer] = float(form == "compensated")
+    return array
+
+
 def fit_tap(layer: int, what: str) -> str:
     """Output name of a fit tap: `what` is one of FIT_TAPS (mlp_x is P)."""
     return f"surgery/fit/blocks.{layer}/{what}"
 
 
-def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Collection[int] | None = None,
+def fit_graph(model: "ir.Model | Subject", fixes: dict[int, Fix] | None = None, layers: Collection[int] | None = None,
               resume: int | None = None, hand_on: int | None = None, inputs: bool = True, stage: str = "outputs",
               input_sides: dict[int, Fix] | None = None) -> ir.Model:
-    """The switchboard of KINDS reduced to the fit taps of the sequential blocks in `layers` (all when None; no logits,
+    """The switchboard of `kinds` reduced to the fit taps of the sequential blocks in `layers` (all when None; no logits,
     no KV cache): attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post, whatever the
     switches (each block's mlp is evaluated a second time, on the input its branch does not read).
 
@@ -53,15 +74,16 @@ def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Coll
     parallelize switch is off, so mlp_x and delta are those of the input-fixed parallel block."""
     if stage not in STAGES:
         raise ValueError(f"unknown fit stage {stage!r}")
-    board = board_graph.switchboard(model, KINDS, fixes, taps=functools.partial(_fit_taps, input_sides=input_sides or {}))
+    subject = Subject.of(model)
+    board = board_graph.switchboard(subject, kinds(fixes, after_branch=True), taps=functools.partial(_fit_taps, input_sides=input_sides or {}))
     g = board.graph
     names = MLP_IN_TAPS if stage == "inputs" else FIT_TAPS + (INPUT_TAPS if inputs else ())
     taps = [v for v in g.outputs if v.name.startswith("surgery/fit/") and v.name.endswith(names)
             and (layers is None or v.name.split("/")[2] in {f"blocks.{l}" for l in layers})]
     g.outputs.clear()
     g.outputs.extend(taps)
-    blocks = {b.layer: b for b in find_blocks(model)}
-    values, stream_type = values_by_name(board), ir.TensorType(stream_dtype(model))
+    blocks = subject.blocks
+    values, stream_type = values_by_name(board), ir.TensorType(ir.DataType.from_numpy(subject.stream))
     if hand_on is not None:
         out = Emitter("", graph=g).op("Identity", [values[blocks[hand_on].resid_pre]], STREAM)
         out.type, out.shape = stream_type, ir.Shape(["batch", "pos", "d_model"])
@@ -79,14 +101,17 @@ def fit_graph(model: ir.Model, fixes: dict[int, Fix] | None = None, layers: Coll
     return board
 
 
-def _fit_taps(board: board_graph.Board, block: BlockMap, on: ir.Value, prefix: str, input_sides: dict[int, Fix]) -> None:
+def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Value], input_sides: dict[int, Fix]) -> None:
     """Output attn_out, mlp_x, delta, resid_post of a sequential block, with its parallelize switch `on` or off, and
     the mlp's input read from resid_pre and from resid_mid (where its input projections are plain ones); with an input
     side in `input_sides`, the twin mlp, while it reads resid_pre, reads it through that side."""
+    if block.is_parallel:
+        return
+X
     g, values, e = board.graph, board.values, board.emitter(prefix)
     mid, pre = values[block.resid_mid], values[block.resid_pre]
     other = e.op("Where", [on, mid, pre], "twin_in")  # the input the mlp branch does not read
-    mlp_in = board.mlp_inputs(block)  # before the twin and the taps read ln2's output
+    mlp_in = mlp_inputs(board, block)  # before the twin and the taps read ln2's output
     branch = branch_nodes(board.model, block, "mlp", values)
     copies = twin_branch(g, branch, {mid: other}, f"{prefix}/twin")
     top = board.emitter("")
