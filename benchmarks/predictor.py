@@ -136,7 +136,7 @@ def main() -> None:
         rows += [{"ranking": f"{k} vs dNLL_l on windows {w}", "Spearman": f"{spearman(scores[k], d):+.3f}"} for k in SCORES for w, d in (("1-4", a), ("5-8", b))]
         print(table(rows, list(rows[0])))
         return
-    report = diagnose(path, seq_len=args.seq_len, windows=1, eval_windows=args.eval_windows, only=("defect",))
+    report = diagnose(path, seq_len=args.seq_len, windows=1, eval_windows=args.eval_windows, only=("defect",)).to_json()
     dnll = report["defect"]["dnll_parallel"]
     rows = [{"score": k, "Spearman with dNLL_l": f"{spearman(scores[k], dnll):+.3f}"} for k in SCORES]
     print(f"{path}: {len(dnll)} layers, scores on {len(cal)} calibration windows, dNLL on {args.eval_windows} evaluation windows x {args.seq_len}")

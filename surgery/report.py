@@ -1,21 +1,32 @@
-"""Write a diagnose report: report.json, report.md and report.html beside PNG plots (matplotlib)."""
+"""Write a diagnose report: report.json, report.md and report.html beside PNG plots (matplotlib).
+
+Structure: `write` (the folder) and `summary` (the headline numbers) take diagnose()'s Diagnosis; everything
+below them reads its report.json form (`Diagnosis.to_json()`): `markdown` (the summary, ablation and per-layer
+tables), `_html` (the same page as HTML), `_plots` (the PNGs of the sections that ran),
+and the number formatting (`interval`, `with_interval`, `_fmt`).
+"""
 
 from __future__ import annotations
 
 import html
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from surgery import output
 
+if TYPE_CHECKING:
+    from surgery.diagnostics.diagnose import Diagnosis
+
 SCHEMA = Path(__file__).with_name("report.schema.json")
 PAPER_MLP = {"tangential": "+0.07..+1.72", "radial": "+7.19..+12.96"}  # the paper's loss increase with the mlp of every layer so edited
 
 
-def write(report: dict, out_dir: str | Path) -> Path:
+def write(diagnosis: Diagnosis, out_dir: str | Path) -> Path:
     """Write the report folder atomically; return its path."""
+    report = diagnosis.to_json()
     out_dir = Path(out_dir)
     with output.folder(out_dir) as partial:
         plots = _plots(report, partial)
@@ -25,8 +36,13 @@ def write(report: dict, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def summary(report: dict) -> dict:
+def summary(diagnosis: Diagnosis) -> dict:
     """The headline numbers, as `--json` prints them."""
+    return _summary(diagnosis.to_json())
+
+
+def _summary(report: dict) -> dict:
+    """summary() of a report in its report.json form."""
     out: dict = {"model": report["model"]["path"], "n_layers": report["model"]["n_layers"]}
     if "deficit" in report:
         out["mean_deficit"] = report["deficit"]["mean"]
@@ -55,7 +71,7 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
     lines.append(f"{n} blocks ({_forms(report)}). Scores from {cal['count']} calibration windows x {cal['seq_len']} tokens of {cal['corpus']}" + (
         f"; losses from {report['windows']['evaluation']['count']} evaluation windows." if "evaluation" in report["windows"] else "."))
     lines.append("Token 0 (the attention sink) is left out of every average.")
-    s = summary(report)
+    s = _summary(report)
     lines += ["", "| summary | value |", "|---|---|"]
     for key, value in s.items():
         if key in ("model", "ablation_all_layers", "ablation_all_layers_interval", "ablation_all_layers_keep_sink", "critical_counts"):
