@@ -116,9 +116,9 @@ def _diagnose(
     n = len(blocks)
     read = functools.partial(data.windows, model_path, corpus, seq_len=seq_len, tokenizer=tokenizer)
     cal = read(max_windows=windows, part="calibration")
-    described = {"model": {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]},
-                 "windows": {"calibration": _describe(cal)}, "seconds": {}}
-    seconds = described["seconds"]
+    about = {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]}
+    read_windows = {"calibration": _describe(cal)}
+    seconds: dict[str, float] = {}
 
     scores = _scores(model, blocks, cal, only, critical_seeds, options, tell, pool, seconds) if set(only) & PROBED else {}
     fits: dict = {}
@@ -134,12 +134,12 @@ def _diagnose(
     if "defect" in only or "ablation" in only:
         with _timed(seconds, "losses"):
             ev = read(max_windows=eval_windows, part="evaluation")
-            described["windows"]["evaluation"] = _describe(ev)
+            read_windows["evaluation"] = _describe(ev)
             losses = _losses(model, blocks, ev, only, fits, options, tell, pool)
             defect = _defect(scores["defect"], fits, losses, n) if "defect" in only else None
             ablation = _ablation(losses, n) if "ablation" in only else None
-    return Diagnosis(**described, deficit=scores.get("deficit"), diversity=scores.get("diversity"), defect=defect,
-                     gate=scores.get("gate"), critical=scores.get("critical"), prefix=sensitivity, ablation=ablation)
+    return Diagnosis(model=about, windows=read_windows, seconds=seconds, deficit=scores.get("deficit"), diversity=scores.get("diversity"),
+                     defect=defect, gate=scores.get("gate"), critical=scores.get("critical"), prefix=sensitivity, ablation=ablation)
 
 
 @contextlib.contextmanager
