@@ -174,7 +174,7 @@ class Rates:
 
         # diagnose's own probe, loss runs and prefix sensitivity on the one-block decoder (its head: 512 tokens, negligible)
         n_cal, n_eval, only = 3, 2, ("deficit", "diversity", "defect", "gate", "ablation", "prefix")
-        report = _diagnose(folder, seq_len=t, windows=n_cal, eval_windows=n_eval, only=only, options=runtime.analysis(runtime.Options()))
+        report = _diagnose(folder, seq_len=t, windows=n_cal, eval_windows=n_eval, only=only, options=runtime.analysis(runtime.Options())).to_json()
         probe = (report["seconds"]["probe"] - report["seconds"]["probe_setup"]) / n_cal  # diagnose's probe of one window, one block
         loss = report["seconds"]["losses"] / (n_eval * _loss_blocks(1))
         prefix = report["seconds"]["prefix"] / (n_cal * _prefix_runs(t))

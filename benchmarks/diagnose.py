@@ -231,7 +231,7 @@ def newton_rows(folder, report: dict, windows, layers: list[int], n_seeds: int) 
 def critical_section(folder, args) -> None:
     """diagnose's critical points per layer and the section time; with --newton-layers, LM from the same seeds."""
     windows = data.windows(folder, seq_len=args.seq_len, max_windows=args.windows, part="calibration")
-    report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, only=("critical",), critical_seeds=args.critical_seeds)
+    report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, only=("critical",), critical_seeds=args.critical_seeds).to_json()
     rows = critical_rows(report)
     with_zero = sum(layer["converged"] > 0 for layer in report["critical"]["layers"])
     print(f"SmolLM2-135M, {len(windows)} calibration windows x {args.seq_len} tokens, {args.critical_seeds} data seeds per layer: "
@@ -279,7 +279,7 @@ def main() -> None:
     ort_pass, ort_setup, torch_pass = [], [], []
     for _ in range(args.repeats):  # interleaved, so both see the same machine
         # eval_windows only sizes the dNLL ground truth that "defect" also measures; it is not compared here.
-        report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, eval_windows=1, only=("deficit", "diversity", "defect", "gate"))
+        report = diagnose(folder, seq_len=args.seq_len, windows=args.windows, eval_windows=1, only=("deficit", "diversity", "defect", "gate")).to_json()
         ort_setup.append(report["seconds"]["probe_setup"])  # the probe graph, its statistics and session
         ort_pass.append(report["seconds"]["probe"] - report["seconds"]["probe_setup"])  # the one pass that gives every score below
         start = time.perf_counter()
@@ -336,7 +336,7 @@ def sections(folder, args) -> None:
     (or, without one, those of RESULTS.md when issue 11 was filed), and every number of each section beside that
     report's (critical points, when it comes from the earlier search: layers with a zero counted)."""
     start = time.perf_counter()
-    report = diagnose(folder, workers=args.workers)
+    report = diagnose(folder, workers=args.workers).to_json()
     total = time.perf_counter() - start
     if args.save:
         with open(args.save, "w") as f:

@@ -1,21 +1,32 @@
-"""Write a diagnose report: report.json, report.md and report.html beside PNG plots (matplotlib)."""
+"""Write a diagnose report: report.json, report.md and report.html beside PNG plots (matplotlib).
+
+Structure: `write` (the folder) and `summary` (the headline numbers) take diagnose()'s Diagnosis; everything
+below them reads its report.json form (`Diagnosis.to_json()`): `markdown` (the summary, ablation and per-layer
+tables), `_html` (the same page as HTML), `_plots` (one `_plot_<section>` per section that ran, saved by `_save`),
+and the number formatting (`interval`, `with_interval`, `_fmt`).
+"""
 
 from __future__ import annotations
 
 import html
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from surgery import output
 
+if TYPE_CHECKING:
+    from surgery.diagnostics.diagnose import Diagnosis
+
 SCHEMA = Path(__file__).with_name("report.schema.json")
 PAPER_MLP = {"tangential": "+0.07..+1.72", "radial": "+7.19..+12.96"}  # the paper's loss increase with the mlp of every layer so edited
 
 
-def write(report: dict, out_dir: str | Path) -> Path:
+def write(diagnosis: Diagnosis, out_dir: str | Path) -> Path:
     """Write the report folder atomically; return its path."""
+    report = diagnosis.to_json()
     out_dir = Path(out_dir)
     with output.folder(out_dir) as partial:
         plots = _plots(report, partial)
@@ -25,8 +36,13 @@ def write(report: dict, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def summary(report: dict) -> dict:
+def summary(diagnosis: Diagnosis) -> dict:
     """The headline numbers, as `--json` prints them."""
+    return _summary(diagnosis.to_json())
+
+
+def _summary(report: dict) -> dict:
+    """summary() of a report in its report.json form."""
     out: dict = {"model": report["model"]["path"], "n_layers": report["model"]["n_layers"]}
     if "deficit" in report:
         out["mean_deficit"] = report["deficit"]["mean"]
@@ -55,7 +71,7 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
     lines.append(f"{n} blocks ({_forms(report)}). Scores from {cal['count']} calibration windows x {cal['seq_len']} tokens of {cal['corpus']}" + (
         f"; losses from {report['windows']['evaluation']['count']} evaluation windows." if "evaluation" in report["windows"] else "."))
     lines.append("Token 0 (the attention sink) is left out of every average.")
-    s = summary(report)
+    s = _summary(report)
     lines += ["", "| summary | value |", "|---|---|"]
     for key, value in s.items():
         if key in ("model", "ablation_all_layers", "ablation_all_layers_interval", "ablation_all_layers_keep_sink", "critical_counts"):
@@ -127,85 +143,122 @@ def _html(report: dict, plots: dict[str, str]) -> str:
 
 
 def _plots(report: dict, folder: Path) -> dict[str, str]:
+    """Draw each section's plot that ran into `folder`; return {title: file name} in drawing order."""
     import matplotlib
 
     matplotlib.use("Agg")
+    made: dict[str, str] = {}
+    for section, plot in (("deficit", _plot_deficit), ("diversity", _plot_diversity), ("defect", _plot_defect),
+                          ("ablation", _plot_ablation), ("critical", _plot_critical), ("prefix", _plot_prefix)):
+        if section in report:
+            fig, name, title = plot(report, np.arange(report["model"]["n_layers"]))
+            _save(fig, folder / name)
+            made[title] = name
+    return made
+
+
+def _save(fig, path: Path) -> None:
+    """Integer ticks on each `layer` axis, then write the figure and close it."""
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    n = report["model"]["n_layers"]
-    layers = np.arange(n)
-    made: dict[str, str] = {}
+    for ax in fig.axes:
+        if ax.get_xlabel() == "layer":
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
-    def save(fig, name, title):
-        for ax in fig.axes:
-            if ax.get_xlabel() == "layer":
-                ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        fig.tight_layout()
-        fig.savefig(folder / name, dpi=110)
-        plt.close(fig)
-        made[title] = name
 
-    if "deficit" in report:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.bar(layers, _arr(report["deficit"]["deficit"]), color="#4c72b0")
-        ax.axhline(report["deficit"]["mean"], color="k", ls="--", lw=1, label=f"mean {report['deficit']['mean']:.3f}")
-        ax.set(xlabel="layer", ylabel="angular deficit 1 - a_l", title="Angular deficit")
-        ax.legend()
-        save(fig, "deficit.png", "Angular deficit per layer")
-    if "diversity" in report:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        for point, style in (("pre", "o-"), ("mid", "s--"), ("post", "^-")):
-            ax.plot(layers, _arr(report["diversity"][point]["diversity"]), style, ms=3, label=f"resid_{point}")
-        ax.set(xlabel="layer", ylabel="1 - mean pairwise cosine", title="Token diversity")
-        ax.legend()
-        save(fig, "diversity.png", "Diversity at resid_pre, resid_mid, resid_post")
-    if "defect" in report:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.plot(layers, _arr(report["defect"]["c"]), "o-", ms=3, label="C_l")
-        ax.plot(layers, _arr(report["defect"]["c_stream"]), "s-", ms=3, label="C_l stream")
-        if "c_comp" in report["defect"]:
-            ax.plot(layers, _arr(report["defect"]["c_comp"]), "d-", ms=3, label="C_l comp")
-        ax.set(xlabel="layer", ylabel="defect", yscale="log", title="Sequential-to-parallel defect")
-        if "dnll_parallel" in report["defect"]:
-            twin = ax.twinx()
-            twin.plot(layers, _arr(report["defect"]["dnll_parallel"]), "k^:", ms=3, label="dNLL (this layer parallel)")
-            if "dnll_compensated" in report["defect"]:
-                twin.plot(layers, _arr(report["defect"]["dnll_compensated"]), "kv:", ms=3, label="dNLL (this layer compensated)")
-            twin.set_ylabel("dNLL, nats")
-            twin.legend(loc="upper right")
-        ax.legend(loc="upper left")
-        save(fig, "defect.png", "Defect scores beside measured dNLL")
-    if "ablation" in report:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-        modes = ("tangential", "radial", "remove")
-        for ax, branch in zip(axes, ("mlp", "attn")):
-            values = [report["ablation"]["all_layers"][branch][m] for m in modes]
-            ci = report["ablation"].get("all_layers_interval", {}).get(branch)
-            yerr = None if ci is None else np.clip([[v - ci[m][0] for v, m in zip(values, modes)],
-                                                    [ci[m][1] - v for v, m in zip(values, modes)]], 0, None)
-            ax.bar(modes, values, yerr=yerr, capsize=3, color=["#55a868", "#c44e52", "#8172b2"])
-            ax.set(title=f"{branch}: all layers", ylabel="dNLL, nats")
-        save(fig, "ablation.png", "Ablations, all layers at once")
-    if "critical" in report:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        bottom = np.zeros(n)
-        for kind, color in (("attractor", "#55a868"), ("saddle", "#dd8452"), ("repeller", "#c44e52")):
-            counts = np.array([l["counts"][kind] for l in report["critical"]["layers"]], dtype=float)
-            ax.bar(layers, counts, bottom=bottom, color=color, label=kind)
-            bottom += counts
-        ax.set(xlabel="layer", ylabel="critical points", title=f"Critical points of the mlp field ({report['critical']['seeds']} seeds per layer)")
-        ax.legend()
-        save(fig, "critical.png", "Critical points by type")
-    if "prefix" in report:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        curves = np.array(report["prefix"]["sensitivity"], dtype=float)
-        for l in sorted(set(np.linspace(0, n - 1, min(n, 6)).astype(int))):
-            ax.plot(report["prefix"]["distances"], curves[l], "o-", ms=3, label=f"layer {l}")
-        ax.set(xscale="log", yscale="log", xlabel="distance d", ylabel="S_l(d)", title="Prefix sensitivity")
-        ax.legend(fontsize=7)
-        save(fig, "prefix.png", "Prefix sensitivity curves")
-    return made
+def _plot_deficit(report: dict, layers: np.ndarray):
+    """Bars of each layer's angular deficit beside their mean."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar(layers, _arr(report["deficit"]["deficit"]), color="#4c72b0")
+    ax.axhline(report["deficit"]["mean"], color="k", ls="--", lw=1, label=f"mean {report['deficit']['mean']:.3f}")
+    ax.set(xlabel="layer", ylabel="angular deficit 1 - a_l", title="Angular deficit")
+    ax.legend()
+    return fig, "deficit.png", "Angular deficit per layer"
+
+
+def _plot_diversity(report: dict, layers: np.ndarray):
+    """Token diversity at resid_pre, resid_mid and resid_post by layer."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for point, style in (("pre", "o-"), ("mid", "s--"), ("post", "^-")):
+        ax.plot(layers, _arr(report["diversity"][point]["diversity"]), style, ms=3, label=f"resid_{point}")
+    ax.set(xlabel="layer", ylabel="1 - mean pairwise cosine", title="Token diversity")
+    ax.legend()
+    return fig, "diversity.png", "Diversity at resid_pre, resid_mid, resid_post"
+
+
+def _plot_defect(report: dict, layers: np.ndarray):
+    """C_l, C_l^stream (and C_l^comp) on a log axis, the single-layer runs' dNLL (when measured) on a second axis."""
+    import matplotlib.pyplot as plt
+
+    defect = report["defect"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot(layers, _arr(defect["c"]), "o-", ms=3, label="C_l")
+    ax.plot(layers, _arr(defect["c_stream"]), "s-", ms=3, label="C_l stream")
+    if "c_comp" in defect:
+        ax.plot(layers, _arr(defect["c_comp"]), "d-", ms=3, label="C_l comp")
+    ax.set(xlabel="layer", ylabel="defect", yscale="log", title="Sequential-to-parallel defect")
+    if "dnll_parallel" in defect:
+        twin = ax.twinx()
+        twin.plot(layers, _arr(defect["dnll_parallel"]), "k^:", ms=3, label="dNLL (this layer parallel)")
+        if "dnll_compensated" in defect:
+            twin.plot(layers, _arr(defect["dnll_compensated"]), "kv:", ms=3, label="dNLL (this layer compensated)")
+        twin.set_ylabel("dNLL, nats")
+        twin.legend(loc="upper right")
+    ax.legend(loc="upper left")
+    return fig, "defect.png", "Defect scores beside measured dNLL"
+
+
+def _plot_ablation(report: dict, layers: np.ndarray):
+    """Each branch's all-layer ablations as bars, with their 95 % intervals when present."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    modes = ("tangential", "radial", "remove")
+    for ax, branch in zip(axes, ("mlp", "attn")):
+        values = [report["ablation"]["all_layers"][branch][m] for m in modes]
+        ci = report["ablation"].get("all_layers_interval", {}).get(branch)
+        yerr = None if ci is None else np.clip([[v - ci[m][0] for v, m in zip(values, modes)],
+                                                [ci[m][1] - v for v, m in zip(values, modes)]], 0, None)
+        ax.bar(modes, values, yerr=yerr, capsize=3, color=["#55a868", "#c44e52", "#8172b2"])
+        ax.set(title=f"{branch}: all layers", ylabel="dNLL, nats")
+    return fig, "ablation.png", "Ablations, all layers at once"
+
+
+def _plot_critical(report: dict, layers: np.ndarray):
+    """Stacked bars of each layer's critical points by type."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    bottom = np.zeros(len(layers))
+    for kind, color in (("attractor", "#55a868"), ("saddle", "#dd8452"), ("repeller", "#c44e52")):
+        counts = np.array([l["counts"][kind] for l in report["critical"]["layers"]], dtype=float)
+        ax.bar(layers, counts, bottom=bottom, color=color, label=kind)
+        bottom += counts
+    ax.set(xlabel="layer", ylabel="critical points", title=f"Critical points of the mlp field ({report['critical']['seeds']} seeds per layer)")
+    ax.legend()
+    return fig, "critical.png", "Critical points by type"
+
+
+def _plot_prefix(report: dict, layers: np.ndarray):
+    """S_l(d) against distance for up to 6 evenly spread layers, log-log."""
+    import matplotlib.pyplot as plt
+
+    n = len(layers)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    curves = np.array(report["prefix"]["sensitivity"], dtype=float)
+    for l in sorted(set(np.linspace(0, n - 1, min(n, 6)).astype(int))):
+        ax.plot(report["prefix"]["distances"], curves[l], "o-", ms=3, label=f"layer {l}")
+    ax.set(xscale="log", yscale="log", xlabel="distance d", ylabel="S_l(d)", title="Prefix sensitivity")
+    ax.legend(fontsize=7)
+    return fig, "prefix.png", "Prefix sensitivity curves"
 
 
 def _arr(values) -> np.ndarray:

@@ -33,8 +33,8 @@ def test_diagnose_on_a_local_2_cpu_ray_cluster_equals_the_in_process_run(fixture
     """The probe's windows and the chunks of the evaluation window's loss runs spread over two actors."""
     pytest.importorskip("ray")
     kwargs = dict(seq_len=32, windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"))
-    here = dict(_leaves(diagnose(fixture_path("llama"), options=runtime.Options(threads=1), **kwargs)))  # one run at a time
-    there = dict(_leaves(diagnose(fixture_path("llama"), workers=2, **kwargs)))
+    here = dict(_leaves(diagnose(fixture_path("llama"), options=runtime.Options(threads=1), **kwargs).to_json()))  # one run at a time
+    there = dict(_leaves(diagnose(fixture_path("llama"), workers=2, **kwargs).to_json()))
     assert there.keys() == here.keys() and len(here) > 100
     for path, value in here.items():
         assert there[path] == pytest.approx(value, rel=1e-9, abs=1e-12), path
@@ -45,10 +45,10 @@ def test_concurrent_runs_in_process_equal_one_run_at_a_time(fixture_path):
     give the numbers of one run at a time."""
     kwargs = dict(seq_len=32, windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"),
                   options=runtime.analysis(runtime.Options(threads=1)))
-    here = dict(_leaves(_diagnose(fixture_path("llama"), **kwargs)))
+    here = dict(_leaves(_diagnose(fixture_path("llama"), **kwargs).to_json()))
     with cluster.pool(concurrent=2) as pool:
         assert pool.parallel == 2
-        there = dict(_leaves(_diagnose(fixture_path("llama"), pool=pool, **kwargs)))
+        there = dict(_leaves(_diagnose(fixture_path("llama"), pool=pool, **kwargs).to_json()))
     assert there.keys() == here.keys() and len(here) > 100
     for path, value in here.items():
         assert there[path] == pytest.approx(value, rel=1e-9, abs=1e-12), path

@@ -379,7 +379,7 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
     from surgery.diagnostics import diagnose
 
     reports = [
-        diagnose(path, seq_len=64, windows=2, eval_windows=2, only=("deficit", "defect", "gate"))
+        diagnose(path, seq_len=64, windows=2, eval_windows=2, only=("deficit", "defect", "gate")).to_json()
         for path in (builds.optimum("llama"), builds.variant("genai-fp32"))
     ]
     for section, key in (("deficit", "deficit"), ("defect", "c"), ("defect", "c_stream"), ("gate", "alpha"), ("defect", "dnll_parallel")):

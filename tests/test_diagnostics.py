@@ -41,9 +41,9 @@ def test_one_pass_defect_equals_two_separate_passes(fixture_path, family):
             on_x = _tapped_run(parallelize(model, {layer}).model, ids)[layer]["mlp_out"]  # same x, mlp reads it
             h, y = original[layer]["mlp_out"], original[layer]["resid_post"]
             sums[layer] += [np.sum((h - on_x) ** 2), np.sum(h**2), np.sum(y**2), np.sum(h * on_x), np.sum(on_x**2)]
-    np.testing.assert_allclose(report["defect"]["c"], sums[:, 0] / sums[:, 1], rtol=1e-4)
-    np.testing.assert_allclose(report["defect"]["c_stream"], sums[:, 0] / sums[:, 2], rtol=1e-4)
-    np.testing.assert_allclose(report["gate"]["alpha"], sums[:, 3] / sums[:, 4], rtol=1e-4)
+    np.testing.assert_allclose(report.defect["c"], sums[:, 0] / sums[:, 1], rtol=1e-4)
+    np.testing.assert_allclose(report.defect["c_stream"], sums[:, 0] / sums[:, 2], rtol=1e-4)
+    np.testing.assert_allclose(report.gate["alpha"], sums[:, 3] / sums[:, 4], rtol=1e-4)
 
 
 def test_geometry_equals_loops_over_the_hooked_torch_model(tiny_export):
@@ -75,10 +75,10 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tiny_export):
                 div[key][layer].append(1 - sum(v[i] @ v[j] for i in range(n) for j in range(n) if i != j) / (n * (n - 1)))
                 s = np.linalg.svd(v, compute_uv=False)
                 rank[key][layer].append(np.exp(-np.sum(s / s.sum() * np.log(s / s.sum()))))
-    np.testing.assert_allclose(report["deficit"]["alignment"], [np.mean(c) for c in cosines], atol=2e-4)
+    np.testing.assert_allclose(report.deficit["alignment"], [np.mean(c) for c in cosines], atol=2e-4)
     for point, key in (("pre", "resid_pre"), ("mid", "resid_mid"), ("post", "resid_post")):
-        np.testing.assert_allclose(report["diversity"][point]["diversity"], [np.mean(d) for d in div[key]], atol=2e-4)
-        np.testing.assert_allclose(report["diversity"][point]["effective_rank"], [np.mean(r) for r in rank[key]], rtol=1e-4)
+        np.testing.assert_allclose(report.diversity[point]["diversity"], [np.mean(d) for d in div[key]], atol=2e-4)
+        np.testing.assert_allclose(report.diversity[point]["effective_rank"], [np.mean(r) for r in rank[key]], rtol=1e-4)
 
 
 def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
@@ -87,56 +87,56 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     model = graph.load(path)
     # the compensated single-layer runs: each block with the fix fitted on the calibration windows, alone
     fits = compensation.fit(model, data.windows(path, seq_len=32, max_windows=2, part="calibration"))
-    assert report["defect"]["c_comp"] == pytest.approx([fits[layer].c_comp for layer in range(3)], rel=1e-6)
-    assert report["defect"]["c_comp_note"] == {}
+    assert report.defect["c_comp"] == pytest.approx([fits[layer].c_comp for layer in range(3)], rel=1e-6)
+    assert report.defect["c_comp_note"] == {}
     windows = data.windows(path, seq_len=32, max_windows=3, part="evaluation")
     base = evaluate.perplexity(model, windows).loss
-    assert report["ablation"]["base_loss"] == report["defect"]["base_loss"] == pytest.approx(base, abs=1e-6)
+    assert report.ablation["base_loss"] == report.defect["base_loss"] == pytest.approx(base, abs=1e-6)
     def kl(rewritten):  # mean token KL and top-1 agreement of a written graph vs the original, scored on its own
         d = evaluate.divergence(evaluate.compare([model, rewritten], windows)[1])
         return pytest.approx(d.kl, rel=1e-4, abs=1e-7), pytest.approx(d.top1)
 
     for layer in range(3):
         expected = evaluate.perplexity(parallelize(model, {layer}).model, windows).loss - base
-        assert report["defect"]["dnll_parallel"][layer] == pytest.approx(expected, abs=1e-5)
-        assert (report["defect"]["kl_parallel"][layer], report["defect"]["top1_parallel"][layer]) == kl(parallelize(model, {layer}).model)
+        assert report.defect["dnll_parallel"][layer] == pytest.approx(expected, abs=1e-5)
+        assert (report.defect["kl_parallel"][layer], report.defect["top1_parallel"][layer]) == kl(parallelize(model, {layer}).model)
         fixed = compensate(model, {layer: fits[layer].fix}).model
         expected = evaluate.perplexity(fixed, windows).loss - base
-        assert report["defect"]["dnll_compensated"][layer] == pytest.approx(expected, abs=1e-5)
-        assert (report["defect"]["kl_compensated"][layer], report["defect"]["top1_compensated"][layer]) == kl(fixed)
+        assert report.defect["dnll_compensated"][layer] == pytest.approx(expected, abs=1e-5)
+        assert (report.defect["kl_compensated"][layer], report.defect["top1_compensated"][layer]) == kl(fixed)
         for branch in ("mlp", "attn"):
-            got = report["ablation"]["per_layer"][branch]["radial"][layer]
+            got = report.ablation["per_layer"][branch]["radial"][layer]
             expected = evaluate.perplexity(ablate(model, branch, "radial", {layer}).model, windows).loss - base
             assert got == pytest.approx(expected, abs=1e-5)
-            got = report["ablation"]["per_layer_kl"][branch]["radial"][layer], report["ablation"]["per_layer_top1"][branch]["radial"][layer]
+            got = report.ablation["per_layer_kl"][branch]["radial"][layer], report.ablation["per_layer_top1"][branch]["radial"][layer]
             assert got == kl(ablate(model, branch, "radial", {layer}).model)
     expected = evaluate.perplexity(ablate(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
-    assert report["ablation"]["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
-    assert report["ablation"]["all_layers_kl"]["mlp"]["tangential"] == kl(ablate(model, "mlp", "tangential", {0, 1, 2}).model)[0]
-    d = report["defect"]
+    assert report.ablation["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
+    assert report.ablation["all_layers_kl"]["mlp"]["tangential"] == kl(ablate(model, "mlp", "tangential", {0, 1, 2}).model)[0]
+    d = report.defect
     for measure, runs in (("spearman", "dnll"), ("spearman_kl", "kl")):  # C_l and C_l^stream against plain runs, C_l^comp compensated ones
         assert d[measure] == {"c": spearman(d["c"], d[f"{runs}_parallel"]), "c_stream": spearman(d["c_stream"], d[f"{runs}_parallel"]),
                               "c_comp": spearman(d["c_comp"], d[f"{runs}_compensated"])}
     assert d["kl_compensated"] != d["kl_parallel"]  # the fix changed something
     for branch, mode in (("mlp", "tangential"), ("attn", "radial")):  # the sink-kept column: position 0 keeps its output
         kept = evaluate.perplexity(ablate(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
-        assert report["ablation"]["all_layers_keep_sink"][branch][mode] == pytest.approx(kept, abs=1e-5)
+        assert report.ablation["all_layers_keep_sink"][branch][mode] == pytest.approx(kept, abs=1e-5)
 
     # each dNLL has its 95 % paired bootstrap interval beside it, the one delta() gives for separately scored graphs
     modes = ("tangential", "radial", "remove")
-    pairs = list(zip(report["defect"]["dnll_parallel"], report["defect"]["dnll_parallel_interval"]))
+    pairs = list(zip(report.defect["dnll_parallel"], report.defect["dnll_parallel_interval"]))
     for b in ("mlp", "attn"):
         for m in modes:
-            pairs += zip(report["ablation"]["per_layer"][b][m], report["ablation"]["per_layer_interval"][b][m])
-            pairs.append((report["ablation"]["all_layers"][b][m], report["ablation"]["all_layers_interval"][b][m]))
-    pairs += zip(report["defect"]["dnll_compensated"], report["defect"]["dnll_compensated_interval"])
+            pairs += zip(report.ablation["per_layer"][b][m], report.ablation["per_layer_interval"][b][m])
+            pairs.append((report.ablation["all_layers"][b][m], report.ablation["all_layers_interval"][b][m]))
+    pairs += zip(report.defect["dnll_compensated"], report.defect["dnll_compensated_interval"])
     assert len(pairs) == 6 + 2 * 3 * 4
     for dnll, (low, high) in pairs:
         assert low - 1e-12 <= dnll <= high + 1e-12 and low < high
     scored = evaluate.perplexity(model, windows)
-    for got, rewritten in [(report["defect"]["dnll_parallel_interval"][1], parallelize(model, {1}).model),
-                           (report["ablation"]["per_layer_interval"]["attn"]["radial"][1], ablate(model, "attn", "radial", {1}).model),
-                           (report["ablation"]["all_layers_interval"]["mlp"]["tangential"], ablate(model, "mlp", "tangential", {0, 1, 2}).model)]:
+    for got, rewritten in [(report.defect["dnll_parallel_interval"][1], parallelize(model, {1}).model),
+                           (report.ablation["per_layer_interval"]["attn"]["radial"][1], ablate(model, "attn", "radial", {1}).model),
+                           (report.ablation["all_layers_interval"]["mlp"]["tangential"], ablate(model, "mlp", "tangential", {0, 1, 2}).model)]:
         d = evaluate.delta(scored, evaluate.perplexity(rewritten, windows))
         assert got == pytest.approx([d.low, d.high], abs=1e-5)
 
@@ -185,10 +185,11 @@ def test_resumed_run_reads_only_the_given_resid_pre(fixture_path):
 
 def test_parallel_blocks_report_defect_as_not_applicable(fixture_path):
     report = diagnose(fixture_path("gpt_neox_parallel"), seq_len=32, windows=1, eval_windows=1, only=("defect", "gate", "diversity"))
-    assert report["defect"]["c"] == [None] * 3 and report["defect"]["c_stream"] == [None] * 3
-    assert report["defect"]["dnll_parallel"] == [None] * 3 and report["gate"]["alpha"] == [None] * 3
-    assert report["defect"]["dnll_parallel_interval"] == [None] * 3
-    assert report["diversity"]["d_attn"] == [None] * 3 and all(v is not None for v in report["diversity"]["d_block"])
+    assert report.defect["c"] == [None] * 3 and report.defect["c_stream"] == [None] * 3
+    assert report.defect["dnll_parallel"] == [None] * 3 and report.gate["alpha"] == [None] * 3
+    assert report.defect["dnll_parallel_interval"] == [None] * 3
+    assert report.diversity["d_attn"] == [None] * 3 and all(v is not None for v in report.diversity["d_block"])
+    assert report.deficit is None and list(report.to_json()) == ["tool", "model", "windows", "seconds", "diversity", "defect", "gate"]
 
 
 def test_field_graph_is_the_torch_mlp_of_ln2(tiny_export):

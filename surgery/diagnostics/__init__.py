@@ -1,5 +1,10 @@
-"""Read-only measurements of residual dynamics, computed from ONNX graphs through ONNX Runtime."""
+"""Read-only measurements of residual dynamics, computed from ONNX graphs through ONNX Runtime.
 
-from surgery.diagnostics.diagnose import SECTIONS, diagnose
+diagnose.py runs them (diagnose() -> Diagnosis); stats.py reduces the probe's tensors inside the graph,
+geometry.py is their NumPy reference, critical.py finds the mlp field's zeros, prefix.py measures prefix
+sensitivity, rank.py holds Spearman's rank correlation.
+"""
 
-__all__ = ["SECTIONS", "diagnose"]
+from surgery.diagnostics.diagnose import SECTIONS, Diagnosis, diagnose
+
+__all__ = ["SECTIONS", "Diagnosis", "diagnose"]

@@ -4,10 +4,17 @@ Scores (deficit, diversity, defect, gate, critical points, prefix sensitivity) a
 C_l^comp stream over the calibration windows; losses (single-layer parallel and compensated dNLL and KL, the
 ablation protocol) use the disjoint evaluation windows. Nothing holds more than one window's activations (the
 fit: one window's, and each layer's normal equations).
+
+Structure: `diagnose` opens the worker pool and `_diagnose` runs the steps in order, timing each:
+`_scores` (the probe's one pass: `_deficit`, `_diversity`, C_l / C_l^stream and alpha, then `_critical` from
+its seeds), the compensation fit, `_prefix`, and `_losses` (the switchboard's runs, `_switch_losses`); then
+`_defect` and `_ablation` turn the runs into their sections and a `Diagnosis` holds them all (`to_json()`:
+report.json). `ProbeWindows` and `LossWindows` are the per-window sessions, here or on Ray actors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -30,8 +37,10 @@ from surgery.passes.ablate import KEEP_SINK
 from surgery.passes.common import narrower_than_float32
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
+PROBED = frozenset(("deficit", "diversity", "defect", "gate", "critical"))  # the sections that need the probe's pass
 ABLATION_MODES = ("tangential", "radial", "remove")
 SINK_MODES = ("tangential", "radial")  # also measured with position 0 keeping its branch output
+BRANCHES = ("mlp", "attn")
 PARALLEL = ("parallelize",)  # the switchboard kind of the single-layer parallel runs
 COMPENSATED = ("compensate",)  # ... and of the single-layer compensated runs (with PARALLEL on at the same layer)
 SINGLE = (PARALLEL, COMPENSATED)  # kinds run one layer at a time only
@@ -47,10 +56,32 @@ CHUNK = 8  # single-layer loss runs of a window per job (a job is a few seconds 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
-def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | None = None, **kwargs) -> dict:
-    """Run the selected diagnostics (keyword arguments: see _diagnose); return a JSON-ready report (see
-    surgery/report.schema.json). workers / ray: score the windows on a local Ray cluster of that many CPUs /
-    on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run, which
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """What diagnose() measured: one field per section of report.json (surgery/report.schema.json), each in
+    its report.json form; a section that was not asked for is None."""
+
+    model: dict  # path, n_layers, forms (one per block: sequential or parallel)
+    windows: dict  # calibration and (when losses ran) evaluation: corpus, count, seq_len, tokens
+    seconds: dict  # of each step that ran: probe, probe_setup (part of probe), critical, fit, prefix, losses
+    deficit: dict | None = None  # alignment, deficit (per layer), mean
+    diversity: dict | None = None  # pre / mid / post: diversity, effective_rank; d_attn, d_mlp, d_block
+    defect: dict | None = None  # c, c_stream, c_comp (+ notes), single-layer parallel / compensated runs, spearman
+    gate: dict | None = None  # alpha
+    critical: dict | None = None  # seeds; per layer: r, converged, best_residual, counts, points
+    prefix: dict | None = None  # distances, sensitivity [layer][distance]
+    ablation: dict | None = None  # base_loss; all layers and per layer: dNLL, interval, KL, top-1
+
+    def to_json(self) -> dict:
+        """report.json's content: tool, model, windows, seconds, then the sections that ran in SECTIONS order."""
+        head = {"tool": {"name": "surgery", "version": __version__}, "model": self.model, "windows": self.windows, "seconds": self.seconds}
+        return head | {name: getattr(self, name) for name in SECTIONS if getattr(self, name) is not None}
+
+
+def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | None = None, **kwargs) -> Diagnosis:
+    """Run the selected diagnostics (keyword arguments: see _diagnose); return them as a Diagnosis (`to_json()`:
+    the report, see surgery/report.schema.json). workers / ray: score the windows on a local Ray cluster of that
+    many CPUs / on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run, which
     runs two jobs (windows, chunks of loss runs) at a time when ORT picks the threads (cluster.concurrency)."""
     options = runtime.analysis(kwargs.pop("options", runtime.Options()))
     with cluster.pool(workers, ray, concurrent=cluster.concurrency(options), device=options.device) as pool:
@@ -71,7 +102,9 @@ def _diagnose(
     progress: Progress | None = None,
     seed: int = 0,
     pool: cluster.Pool = cluster.Pool(),
-) -> dict:
+) -> Diagnosis:
+    """The steps in order, each timed: the probe's scores (and critical points), the compensation fit, prefix
+    sensitivity, the loss runs; then the sections built from them."""
     unknown = set(only) - set(SECTIONS)
     if unknown:
         raise SurgeryError(f"unknown diagnostic {', '.join(sorted(unknown))}; choose from {','.join(SECTIONS)}")
@@ -81,105 +114,150 @@ def _diagnose(
     if any(b.fused for b in blocks):
         raise SurgeryError(f"{model_path} has fused blocks, whose attn_out and mlp_out are one MatMul; diagnose the model before `--fuse`")
     n = len(blocks)
-    cal = data.windows(model_path, corpus, seq_len=seq_len, max_windows=windows, part="calibration", tokenizer=tokenizer)
-    report: dict = {
-        "tool": {"name": "surgery", "version": __version__},
-        "model": {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]},
-        "windows": {"calibration": _describe(cal)},
-        "seconds": {},
-    }
-    rng = np.random.default_rng(seed)
+    read = functools.partial(data.windows, model_path, corpus, seq_len=seq_len, tokenizer=tokenizer)
+    cal = read(max_windows=windows, part="calibration")
+    about = {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]}
+    read_windows = {"calibration": _describe(cal)}
+    seconds: dict[str, float] = {}
 
-    if set(only) & {"deficit", "diversity", "defect", "gate", "critical"}:
-        start = time.perf_counter()
-        twin = bool(set(only) & {"defect", "gate"})
-        probed = _stream_probe(probe.probe(model, twin=twin), cal, options, n, tell, pool)
-        report["seconds"]["probe"] = time.perf_counter() - start
-        report["seconds"]["probe_setup"] = probed["ready"] - start  # of which: the graph and its session(s)
-        if "deficit" in only:
-            a = [s / c for s, c in zip(probed["align_sum"], probed["align_count"])]
-            report["deficit"] = {"alignment": a, "deficit": [1 - x for x in a], "mean": float(np.mean([1 - x for x in a]))}
-        if "diversity" in only:
-            report["diversity"] = _diversity(probed["diversity"], blocks)
-        if "defect" in only or "gate" in only:
-            result = probed["defect"].result()
-            if "defect" in only:
-                report["defect"] = {"c": result["c"], "c_stream": result["c_stream"]}
-            if "gate" in only:
-                report["gate"] = {"alpha": result["alpha"]}
-        if "critical" in only:
-            start = time.perf_counter()
-            report["critical"] = _critical(model, blocks, probed, critical_seeds, options, tell)
-            report["seconds"]["critical"] = time.perf_counter() - start
-
-    fixes: dict = {}
+    scores = _scores(model, blocks, cal, only, critical_seeds, options, tell, pool, seconds) if set(only) & PROBED else {}
+    fits: dict = {}
     if "defect" in only:
-        start = time.perf_counter()
-        fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=compensation.memory_bound(None),
-                                progress=lambda d, t: tell("compensation fit", d, t))
-        fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-        report["defect"]["c_comp"] = [fits[l].c_comp if l in fixes else None for l in range(n)]
-        report["defect"]["c_comp_note"] = {str(l): f.note or "no fix" for l, f in sorted(fits.items()) if l not in fixes}
-        report["seconds"]["fit"] = time.perf_counter() - start
-
+        with _timed(seconds, "fit"):
+            fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=compensation.memory_bound(None),
+                                    progress=lambda d, t: tell("compensation fit", d, t))
+    sensitivity = None
     if "prefix" in only:
-        start = time.perf_counter()
-        p = probe.probe(model, tensors=("resid_post",), twin=False)
-        sess = runtime.session(p.model, options)
-        dists = prefix.distances(seq_len)
-        names = [o["resid_post"] for o in p.outputs]
-        curves = np.zeros((n, len(dists)))
-        for i in range(len(cal)):
-            curves += prefix.sensitivity(sess, names, cal.ids[i : i + 1], dists, runtime.vocab_size(sess), rng)
-            tell("prefix sensitivity", i + 1, len(cal))
-        report["prefix"] = {"distances": dists, "sensitivity": (curves / len(cal)).tolist()}
-        report["seconds"]["prefix"] = time.perf_counter() - start
-        del sess, p  # its weights: not held beside the loss runs' session
-
+        with _timed(seconds, "prefix"):
+            sensitivity = _prefix(model, cal, seq_len, options, np.random.default_rng(seed), tell)
+    defect = ablation = None
     if "defect" in only or "ablation" in only:
-        start = time.perf_counter()
-        ev = data.windows(model_path, corpus, seq_len=seq_len, max_windows=eval_windows, part="evaluation", tokenizer=tokenizer)
-        report["windows"]["evaluation"] = _describe(ev)
-        sink_kinds = [_edit(b, m, KEEP_SINK) for b in ("mlp", "attn") for m in SINK_MODES] if "ablation" in only else []
-        kinds = ([PARALLEL, COMPENSATED] if "defect" in only else []) + (
-            [_edit(b, m) for b in ("mlp", "attn") for m in ABLATION_MODES] if "ablation" in only else []
-        ) + sink_kinds
-        losses = _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=fixes)
-        intervals = losses["interval"]
+        with _timed(seconds, "losses"):
+            ev = read(max_windows=eval_windows, part="evaluation")
+            read_windows["evaluation"] = _describe(ev)
+            losses = _losses(model, blocks, ev, only, fits, options, tell, pool)
+            defect = _defect(scores["defect"], fits, losses, n) if "defect" in only else None
+            ablation = _ablation(losses, n) if "ablation" in only else None
+    return Diagnosis(model=about, windows=read_windows, seconds=seconds, deficit=scores.get("deficit"), diversity=scores.get("diversity"),
+                     defect=defect, gate=scores.get("gate"), critical=scores.get("critical"), prefix=sensitivity, ablation=ablation)
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], step: str):
+    """Record the wall time of the `with` body as seconds[step] (when it finishes)."""
+    start = time.perf_counter()
+    yield
+    seconds[step] = time.perf_counter() - start
+
+
+def _scores(model, blocks, cal: data.Windows, only, critical_seeds: int, options, tell, pool: cluster.Pool, seconds: dict) -> dict:
+    """The sections of the probe's one pass over the calibration windows: deficit, diversity, defect (C_l and
+    C_l^stream only; the fit and the runs add the rest), gate, and critical (from the pass's seeds)."""
+    start = time.perf_counter()
+    twin = bool(set(only) & {"defect", "gate"})
+    probed = _stream_probe(probe.probe(model, twin=twin), cal, options, len(blocks), tell, pool)
+    seconds["probe"] = time.perf_counter() - start
+    seconds["probe_setup"] = probed["ready"] - start  # of which: the graph and its session(s)
+    sections = {}
+    if "deficit" in only:
+        sections["deficit"] = _deficit(probed)
+    if "diversity" in only:
+        sections["diversity"] = _diversity(probed["diversity"], blocks)
+    if "defect" in only or "gate" in only:
+        result = probed["defect"].result()
         if "defect" in only:
-            for name, kind in (("parallel", PARALLEL), ("compensated", COMPENSATED)):
-                report["defect"].update({
-                    f"dnll_{name}": [losses[kind][l] for l in range(n)],
-                    f"dnll_{name}_interval": [intervals[kind][l] for l in range(n)],
-                    f"kl_{name}": [losses["kl"][kind][l] for l in range(n)],  # mean token KL(original || this layer rewritten), nats
-                    f"kl_{name}_interval": [losses["kl_interval"][kind][l] for l in range(n)],
-                    f"top1_{name}": [losses["top1"][kind][l] for l in range(n)],
-                })
-            d = report["defect"]
-            d["base_loss"] = losses["base"]
-            # C_l and C_l^stream predict the plain parallel block's loss, C_l^comp the compensated one's
-            truth = {"c": "parallel", "c_stream": "parallel", "c_comp": "compensated"}
-            d["spearman"] = {k: spearman(d[k], d[f"dnll_{v}"]) for k, v in truth.items()}
-            d["spearman_kl"] = {k: spearman(d[k], d[f"kl_{v}"]) for k, v in truth.items()}
-        if "ablation" in only:
-            branches = ("mlp", "attn")
-            report["ablation"] = {
-                "base_loss": losses["base"],
-                "all_layers": {b: {m: losses[_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "per_layer": {b: {m: [losses[_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
-                "all_layers_interval": {b: {m: intervals[_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "per_layer_interval": {b: {m: [intervals[_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
-                # position 0 (the attention sink) keeps its branch output; all layers at once only
-                "all_layers_keep_sink": {b: {m: losses[_edit(b, m, KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
-                "all_layers_keep_sink_interval": {b: {m: intervals[_edit(b, m, KEEP_SINK)]["all"] for m in SINK_MODES} for b in branches},
-                # mean token KL vs the original and top-1 agreement of the same runs
-                "all_layers_kl": {b: {m: losses["kl"][_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "all_layers_top1": {b: {m: losses["top1"][_edit(b, m)]["all"] for m in ABLATION_MODES} for b in branches},
-                "per_layer_kl": {b: {m: [losses["kl"][_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
-                "per_layer_top1": {b: {m: [losses["top1"][_edit(b, m)][l] for l in range(n)] for m in ABLATION_MODES} for b in branches},
-            }
-        report["seconds"]["losses"] = time.perf_counter() - start
-    return report
+            sections["defect"] = {"c": result["c"], "c_stream": result["c_stream"]}
+        if "gate" in only:
+            sections["gate"] = {"alpha": result["alpha"]}
+    if "critical" in only:
+        with _timed(seconds, "critical"):
+            sections["critical"] = _critical(model, blocks, probed, critical_seeds, options, tell)
+    return sections
+
+
+def _deficit(probed: dict) -> dict:
+    """Each layer's mean alignment a_l of attn_out's and the mlp's tangential parts, and the deficit 1 - a_l."""
+    a = [s / c for s, c in zip(probed["align_sum"], probed["align_count"])]
+    return {"alignment": a, "deficit": [1 - x for x in a], "mean": float(np.mean([1 - x for x in a]))}
+
+
+def _prefix(model, cal: data.Windows, seq_len: int, options, rng: np.random.Generator, tell) -> dict:
+    """Prefix sensitivity S_l(d) of each block's resid_post, averaged over the calibration windows. Its session
+    (and its weights) is gone when this returns: not held beside the loss runs' session."""
+    p = probe.probe(model, tensors=("resid_post",), twin=False)
+    sess = runtime.session(p.model, options)
+    dists = prefix.distances(seq_len)
+    names = [o["resid_post"] for o in p.outputs]
+    curves = np.zeros((len(names), len(dists)))
+    for i in range(len(cal)):
+        curves += prefix.sensitivity(sess, names, cal.ids[i : i + 1], dists, runtime.vocab_size(sess), rng)
+        tell("prefix sensitivity", i + 1, len(cal))
+    return {"distances": dists, "sensitivity": (curves / len(cal)).tolist()}
+
+
+def _losses(model, blocks, ev: data.Windows, only, fits: dict, options, tell, pool: cluster.Pool) -> dict:
+    """The loss runs on the evaluation windows (_switch_losses): each block alone parallel and compensated (for
+    defect), each ablation per layer and at all layers, and the sink-keeping ablations at all layers (for ablation)."""
+    sink_kinds = [_edit(b, m, KEEP_SINK) for b in BRANCHES for m in SINK_MODES] if "ablation" in only else []
+    kinds = ([PARALLEL, COMPENSATED] if "defect" in only else []) + (
+        [_edit(b, m) for b in BRANCHES for m in ABLATION_MODES] if "ablation" in only else []
+    ) + sink_kinds
+    return _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=_fixes(fits))
+
+
+def _fixes(fits: dict) -> dict:
+    """The fitted fixes by layer (a layer whose fit gave none left out)."""
+    return {l: f.fix for l, f in fits.items() if f.fix is not None}
+
+
+def _defect(scores: dict, fits: dict, losses: dict, n: int) -> dict:
+    """The defect section: C_l and C_l^stream (the probe's `scores`), C_l^comp from the fit (a note where no fix
+    was fitted), each block's single-layer parallel and compensated runs, and each score's Spearman against them."""
+    fixes = _fixes(fits)
+    d = dict(scores)
+    d["c_comp"] = [fits[l].c_comp if l in fixes else None for l in range(n)]
+    d["c_comp_note"] = {str(l): f.note or "no fix" for l, f in sorted(fits.items()) if l not in fixes}
+    for name, kind in (("parallel", PARALLEL), ("compensated", COMPENSATED)):
+        d.update({
+            f"dnll_{name}": [losses[kind][l] for l in range(n)],
+            f"dnll_{name}_interval": [losses["interval"][kind][l] for l in range(n)],
+            f"kl_{name}": [losses["kl"][kind][l] for l in range(n)],  # mean token KL(original || this layer rewritten), nats
+            f"kl_{name}_interval": [losses["kl_interval"][kind][l] for l in range(n)],
+            f"top1_{name}": [losses["top1"][kind][l] for l in range(n)],
+        })
+    d["base_loss"] = losses["base"]
+    # C_l and C_l^stream predict the plain parallel block's loss, C_l^comp the compensated one's
+    truth = {"c": "parallel", "c_stream": "parallel", "c_comp": "compensated"}
+    d["spearman"] = {k: spearman(d[k], d[f"dnll_{v}"]) for k, v in truth.items()}
+    d["spearman_kl"] = {k: spearman(d[k], d[f"kl_{v}"]) for k, v in truth.items()}
+    return d
+
+
+def _ablation(losses: dict, n: int) -> dict:
+    """The ablation section: each branch's mlp / attn edits at all layers at once and at each layer alone (dNLL,
+    its interval, mean token KL vs the original, top-1 agreement), and the sink-keeping edits at all layers."""
+    intervals, kl, top1 = losses["interval"], losses["kl"], losses["top1"]
+
+    def table(source, modes=ABLATION_MODES, *options: str, per_layer: bool = False) -> dict:
+        """{branch: {mode: value at all layers, or the list over layers}} of one measure."""
+        pick = (lambda runs: [runs[l] for l in range(n)]) if per_layer else (lambda runs: runs["all"])
+        return {b: {m: pick(source[_edit(b, m, *options)]) for m in modes} for b in BRANCHES}
+
+    return {
+        "base_loss": losses["base"],
+        "all_layers": table(losses),
+        "per_layer": table(losses, per_layer=True),
+        "all_layers_interval": table(intervals),
+        "per_layer_interval": table(intervals, per_layer=True),
+        # position 0 (the attention sink) keeps its branch output; all layers at once only
+        "all_layers_keep_sink": table(losses, SINK_MODES, KEEP_SINK),
+        "all_layers_keep_sink_interval": table(intervals, SINK_MODES, KEEP_SINK),
+        # mean token KL vs the original and top-1 agreement of the same runs
+        "all_layers_kl": table(kl),
+        "all_layers_top1": table(top1),
+        "per_layer_kl": table(kl, per_layer=True),
+        "per_layer_top1": table(top1, per_layer=True),
+    }
 
 
 class ProbeWindows:
