@@ -44,20 +44,20 @@ import functools
 import os
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 import onnx_ir as ir
 
 from surgery import cluster, runtime
 from surgery.analysis import switchboard as board_graph
-from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, KINDS, MLP_IN_TAPS, RESUME, STREAM, fit_graph, fit_tap
-from surgery.blocks import BlockMap, find_blocks
+from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, fit_graph, fit_tap, switched
+from surgery.blocks import BlockMap
 from surgery.data import Windows, spread
 from surgery.equations import RIDGES, FitResult, InputEquations, NormalEquations
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
-from surgery.nodes import values_by_name
+from surgery.subject import Subject
 from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
 
@@ -144,7 +144,7 @@ class Accumulator:
 class FitPlan:
     """What a fit does, worked out once before its first pass."""
 
-    model: ir.Model
+    subject: Subject
     blocks: dict[int, BlockMap]  # by layer
     chunks: list[list[int]]  # the layers fitted together in each pass over the windows, in order
     sides: set[int]  # the layers whose fix gets an input side, in a pass of its own before their chunk's
@@ -159,17 +159,20 @@ class FitPlan:
         """How many windows all the passes together run: what progress counts to."""
         return len(self.chunks) * len(self.rows) + sum(1 for chunk in self.chunks if self.sides.intersection(chunk)) * len(self.input_rows)
 
-    @functools.cached_property
+    @property
+    def model(self) -> ir.Model:
+        return self.subject.model
+
+    @property
     def values(self) -> dict[str, ir.Value]:
-        """The model's values by name, read once, for the first quantized block."""
-        return values_by_name(self.model)
+        return self.subject.values
 
 
-def _plan(model: ir.Model, windows: Windows, layers: Collection[int] | None, fixes: dict[int, Fix] | None,
-          on: dict[tuple[str, ...], set[int]] | None, kind: str, memory_bytes: int, pool: cluster.Pool, requantize: str,
+def _plan(subject: Subject, windows: Windows, layers: Collection[int] | None, fixes: dict[int, Fix] | None,
+          forms: Mapping[int, Form] | None, kind: str, memory_bytes: int, pool: cluster.Pool, requantize: str,
           input_side: bool, input_windows: int | None) -> FitPlan | None:
     """fit's plan, or None when there is no sequential block to fit; SurgeryError for a block that cannot be fitted."""
-    blocks = find_blocks(model)
+    model, blocks = subject.model, subject.blocks
     table = embedding_table(model)
     if table is None:
         raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
@@ -183,12 +186,12 @@ def _plan(model: ir.Model, windows: Windows, layers: Collection[int] | None, fix
     todo = [b.layer for b in blocks if not b.is_parallel and (layers is None or b.layer in layers)]
     if not todo:
         return None
-    compensated = set((on or {}).get(KINDS[1], ()))
+    compensated = {layer for layer, form in (forms or {}).items() if form == "compensated"}
     return FitPlan(
-        model=model,
+        subject=subject,
         blocks={b.layer: b for b in blocks},
-        chunks=_chunks(todo, table[1], memory_bytes, pool.copies, _input_widths(model, todo, requantize)),
-        sides=_input_sided(model, todo, skip=compensated) if input_side and kind == "full" else set(),
+        chunks=_chunks(todo, table[1], memory_bytes, pool.copies, _input_widths(subject, todo, requantize)),
+        sides=_input_sided(subject, todo, skip=compensated) if input_side and kind == "full" else set(),
         no_fold=no_fold,
         rows=np.arange(len(windows)),
         input_rows=spread(len(windows), input_windows),
@@ -254,12 +257,12 @@ class _Runner:
 
 
 def fit(
-    model: ir.Model,
+    model: "ir.Model | Subject",
     windows: Windows,
     layers: Collection[int] | None = None,
     *,
     fixes: dict[int, Fix] | None = None,
-    on: dict[tuple[str, ...], set[int]] | None = None,
+    forms: Mapping[int, Form] | None = None,
     kind: str = "full",
     ridges=RIDGES,
     memory_bytes: int = MEMORY_BYTES,
@@ -279,8 +282,8 @@ def fit(
     Each pass runs only its own blocks: it starts from the stream the pass before handed on (kept per window) and
     stops after its last block, so all the passes together cost about one forward pass over the windows.
 
-    fixes / on: the switchboard state to fit under (the sequential refit): `fixes` are the fixes the
-    graph holds, `on` the switches turned on, e.g. {("parallelize",): {3, 7}, ("compensate",): {3}}.
+    fixes / forms: the blocks in place while fitting (the sequential refit): `fixes` are the fixes the graph holds,
+    `forms` the blocks switched to parallel and their form, e.g. {3: "compensated", 7: "plain"}.
     pool: Ray actors (cluster.pool(workers=...)) each accumulate the sums of one contiguous run of the windows, and
     this process adds them in window order; None or an in-process pool: one session here, window by window.
     seconds: receives where the time went, added to what it holds: forward (the graph's runs), accumulate (the
@@ -304,17 +307,17 @@ def fit(
     if input_windows is not None and input_windows < 1:
         raise SurgeryError(f"input_windows {input_windows}: give a whole number of at least 1")
     pool = pool or cluster.Pool()
-    plan = _plan(model, windows, layers, fixes, on, kind, memory_bytes, pool, requantize, input_side, input_windows)
+    plan = _plan(Subject.of(model), windows, layers, fixes, forms, kind, memory_bytes, pool, requantize, input_side, input_windows)
     if plan is None:
         return {}
-    switches = board_graph.switches(KINDS, len(plan.blocks), on)
+    switches = switched(len(plan.blocks), forms)
     runner = _Runner(windows, switches, pool, options, clock, progress, plan.runs)
     results: dict[int, FitResult] = {}
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
     for c, chunk in enumerate(plan.chunks):
         resume, hand_on = chunk[0] if c else None, plan.chunks[c + 1][0] if c + 1 < len(plan.chunks) else None
         input_sides = _fit_input_sides(plan, runner, chunk, resume, streams, ridges)
-        graph = fit_graph(model, plan.fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq",
+        graph = fit_graph(plan.subject, plan.fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq",
                           input_sides={l: side for l, (side, _) in input_sides.items()})
         sums, streams = runner.run(graph, chunk, streams, "outputs", plan.rows)
         del graph
@@ -332,7 +335,7 @@ def _fit_input_sides(plan: FitPlan, runner: _Runner, chunk: list[int], resume: i
     sided = [l for l in chunk if l in plan.sides]
     if not sided:
         return {}
-    sums, _ = runner.run(fit_graph(plan.model, plan.fixes, sided, resume=resume, stage="inputs"), chunk, streams, "inputs", plan.input_rows)
+    sums, _ = runner.run(fit_graph(plan.subject, plan.fixes, sided, resume=resume, stage="inputs"), chunk, streams, "inputs", plan.input_rows)
     start = time.perf_counter()
     solved = {layer: sums[layer].solve(ridges) for layer in sided}
     runner.clock["solve"] += time.perf_counter() - start
@@ -379,18 +382,19 @@ def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1,
     return chunks
 
 
-def quantized_outputs(model: ir.Model) -> dict[int, tuple[ir.Node, ir.Node]]:
+def quantized_outputs(model: "ir.Model | Subject") -> dict[int, tuple[ir.Node, ir.Node]]:
     """The blocks whose W_o and W_down are both MatMulNBits -> those two nodes; no weight is read."""
-    values = values_by_name(model)
+    subject = Subject.of(model)
+    values = subject.values
     found = {}
-    for block in find_blocks(model):
+    for block in subject.blocks:
         o_proj, down = (projection.quantized_node(values[v]) for v in (block.attn_out, block.mlp_out))
         if o_proj is not None and down is not None:
             found[block.layer] = (o_proj, down)
     return found
 
 
-def _input_widths(model: ir.Model, layers: Collection[int], requantize: str = "gptq") -> dict[int, tuple[int, ...]]:
+def _input_widths(model: "ir.Model | Subject", layers: Collection[int], requantize: str = "gptq") -> dict[int, tuple[int, ...]]:
     """Per layer, K of W_o and of W_down where both are MatMulNBits and requantized error-aware (their inputs'
     second moments are gathered in the fit pass)."""
     if requantize != "gptq":
@@ -407,23 +411,24 @@ def requantized(values: dict[str, ir.Value], block: BlockMap, fix: Fix, grams: d
     return dataclasses.replace(fix, packed=packed)
 
 
-def passes(model: ir.Model, layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES, pool: cluster.Pool | None = None,
+def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES, pool: cluster.Pool | None = None,
            requantize: str = "gptq", kind: str = "full", input_side: bool = True) -> int:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None), nothing
     compensated yet: one per chunk of layers, and one more for each chunk with an input side to fit."""
-    table = embedding_table(model)
-    todo = [b.layer for b in find_blocks(model) if not b.is_parallel and (layers is None or b.layer in layers)]
+    subject = Subject.of(model)
+    table = embedding_table(subject.model)
+    todo = [b.layer for b in subject.blocks if not b.is_parallel and (layers is None or b.layer in layers)]
     if not todo or not table:
         return 0
-    chunks = _chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies, _input_widths(model, todo, requantize))
-    sides = _input_sided(model, todo) if input_side and kind == "full" else set()
+    chunks = _chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies, _input_widths(subject, todo, requantize))
+    sides = _input_sided(subject, todo) if input_side and kind == "full" else set()
     return len(chunks) + sum(1 for chunk in chunks if sides.intersection(chunk))
 
 
-def _input_sided(model: ir.Model, layers: Collection[int], skip: Collection[int] = ()) -> set[int]:
+def _input_sided(subject: Subject, layers: Collection[int], skip: Collection[int] = ()) -> set[int]:
     """The layers whose fix gets an input side: its mlp's input projections are plain ones (not MatMulNBits), the fix
     folds, and the layer is not in `skip` (compensated already: it keeps its fix's)."""
-    values, blocks = values_by_name(model), {b.layer: b for b in find_blocks(model)}
+    model, values, blocks = subject.model, subject.values, subject.blocks
     return {l for l in layers if l not in skip and _no_fold(model, blocks[l]) is None
             and not isinstance(projection.mlp_inputs(model, values, blocks[l]), str)}
 

@@ -20,7 +20,7 @@ from collections.abc import Collection
 import numpy as np
 
 from surgery import defect
-from surgery.passes.common import Fix
+from surgery.passes.fix import Fix
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # times diag(Z'Z); chosen per layer on the held-out fold
 

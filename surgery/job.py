@@ -10,12 +10,13 @@ from pathlib import Path
 import onnx_ir as ir
 
 from surgery import cluster, compensation, data, evaluate, graph, runtime
-from surgery.blocks import BlockMap, find_blocks
+from surgery.blocks import BlockMap
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
 from surgery.passes.fuse import refusal as fuse_refusal
 from surgery.select import Fit, Progress, Selection, select_layers
+from surgery.subject import Subject
 
 
 def fit_fixes(model: ir.Model, model_path, layers, *, fit: Fit = "full", corpus=None, seq_len=256, fit_windows=64,
@@ -32,14 +33,14 @@ def fit_fixes(model: ir.Model, model_path, layers, *, fit: Fit = "full", corpus=
     return {l: f.fix for l, f in fits.items()}
 
 
-def rewrite(model: ir.Model, layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
+def rewrite(model: "ir.Model | Subject", layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
     """Make `layers` parallel, plain (ln2 reads resid_pre) or fused; the layers in `fixes` get their
     fix folded into the output projections (compensated, or calibrated with Fix.gate). Returns a SurgeryResult."""
     fixes = {l: f for l, f in (fixes or {}).items() if l in set(layers)}
     if fused:
         return fuse(model, layers, fixes)
     first = compensate(model, fixes) if fixes else None
-    rest = parallelize(first.model if first else model, [l for l in layers if l not in fixes])
+    rest = parallelize(first.subject if first else model, [l for l in layers if l not in fixes])  # the blocks as compensate left them
     changes = {c.layer: c for c in (first.changes if first else ()) + rest.changes}
     return dataclasses.replace(rest, changes=tuple(changes[l] for l in sorted(changes)))
 
@@ -99,9 +100,9 @@ def auto(
     dNLL checks); the reported dNLL is on the disjoint evaluation windows.
     """
     tell = progress or (lambda stage, done, total: None)
-    model = graph.load(model_path)
-    graph.check_output(out, model_path, model)
-    blocks = find_blocks(model, where=str(model_path))
+    subject = Subject(graph.load(model_path), str(model_path))  # read once: the selection, the rewrite and the measurements take it
+    graph.check_output(out, model_path, subject.model)
+    model, blocks = subject.model, subject.blocks
     if fused:  # before any work: a block that cannot be fused would fail only after the fit and the selection
         _check_fusable(model, blocks[greedy.get("protect_first", 0) : len(blocks) - greedy.get("protect_last", 0)])
     get = lambda part, count: data.windows(model_path, corpus, seq_len=seq_len, max_windows=count, part=part, tokenizer=tokenizer)  # noqa: E731
@@ -111,12 +112,12 @@ def auto(
         fit_part, sel = None, get("calibration", windows)
     ev = get("evaluation", eval_windows)
     with cluster.pool(workers, ray, device=options.device) as pool:
-        selection = select_layers(model, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
-    rewritten = rewrite(model, selection.layers, fused=fused, fixes=selection.fixes).model
+        selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
+    rewritten = rewrite(subject, selection.layers, fused=fused, fixes=selection.fixes).model
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
     step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
     base, after = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
-    times = evaluate.branch_times(model, seq_len=seq_len, runs=3, options=options)  # on the latency's device
+    times = evaluate.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
     estimate = times.estimated_speedup(selection.layers)
     prefill = decode = timing = None
     if measure_latency:

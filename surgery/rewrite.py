@@ -6,13 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import onnx_ir as ir
-
 from surgery import graph, job, runtime
-from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
 from surgery.layers import parse_layers
 from surgery.passes import SurgeryResult
+from surgery.subject import Subject
 
 
 def fit_kind(compensate: bool | None, calibrate: bool, auto: bool) -> str | None:
@@ -24,12 +22,13 @@ def fit_kind(compensate: bool | None, calibrate: bool, auto: bool) -> str | None
     return "full" if (compensate if compensate is not None else auto) else None
 
 
-def rewrite_file(model_path: Path, out_path: Path, layers: str, apply: Callable[[ir.Model, set[int]], SurgeryResult]) -> tuple[SurgeryResult, Path]:
-    """apply(model, chosen layers) on the model at `model_path`, written to `out_path`; the result and the written file."""
-    model = graph.load(model_path)
-    graph.check_output(out_path, model_path, model)
-    chosen = parse_layers(layers, len(find_blocks(model, where=str(model_path))))
-    result = apply(model, chosen)
+def rewrite_file(model_path: Path, out_path: Path, layers: str, apply: Callable[[Subject, set[int]], SurgeryResult]) -> tuple[SurgeryResult, Path]:
+    """apply(model, chosen layers) on the model at `model_path` (read once, as a Subject), written to `out_path`; the
+    result and the written file."""
+    subject = Subject(graph.load(model_path), str(model_path))
+    graph.check_output(out_path, model_path, subject.model)
+    chosen = parse_layers(layers, subject.n_layers)
+    result = apply(subject, chosen)
     return result, graph.write(result.model, out_path, like=model_path)
 
 

@@ -29,19 +29,19 @@ from typing import Literal, get_args
 import onnx_ir as ir
 
 from surgery import cluster, compensation, evaluate, runtime
-from surgery.analysis.fit_graph import KINDS
+from surgery.analysis.fit_graph import Form
 from surgery.analysis.probe import defect_scores
-from surgery.blocks import BlockMap, find_blocks
+from surgery.blocks import BlockMap
 from surgery.equations import FitResult
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix
+from surgery.subject import Subject
 from surgery.trials import Trials
 
 Score = Literal["c_comp", "c_stream", "c"]  # what ranks the candidates: the fixed block's held-out defect, the stream's, the block's
 Fit = Literal["full", "gate"]  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate); None: no compensation
-Form = Literal["compensated", "plain"]  # how a chosen block is written: parallel with its fix folded in, or plain parallel
 SCORES: tuple[Score, ...] = get_args(Score)
 FITS: tuple[Fit, ...] = get_args(Fit)
 FORMS: tuple[Form, ...] = get_args(Form)
@@ -235,7 +235,8 @@ def select_layers(
     input_side: full fixes get an mlp input side where it folds (compensation.fit)."""
     score = _score(score, fit, fit_windows)
     tell = progress or (lambda stage, done, total: None)
-    blocks = find_blocks(model)
+    model = Subject.of(model)  # read once: the fit, the trials and the refit take it
+    blocks = model.blocks
     seconds: dict[str, float] = {}
     fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
     memory = compensation.memory_bound(fit_memory) if fit is not None else None
@@ -356,9 +357,8 @@ def _refit(model: ir.Model, fit_windows: Windows, windows: Windows, chosen: _Cho
     with them on the selection windows (the baseline run of `runs` reused); kept if that costs less."""
     compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
     fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
-    on = {KINDS[0]: set(chosen.forms), KINDS[1]: compensated}
     passes = compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
-    again = compensation.fit(model, fit_windows, compensated, fixes=fixes, on=on, kind=fit, options=options, memory_bytes=memory, pool=pool,
+    again = compensation.fit(model, fit_windows, compensated, fixes=fixes, forms=chosen.forms, kind=fit, options=options, memory_bytes=memory, pool=pool,
                              requantize=requantize,
                              seconds=seconds, progress=lambda d, t: tell("refit", d, t))
     new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}

@@ -4,23 +4,18 @@ windows, in one switchboard session (here or on Ray actors), resumed from the ac
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
 from surgery import cluster, compensation, data, evaluate, runtime
 from surgery.analysis import resumable
 from surgery.analysis import switchboard as board_graph
-from surgery.blocks import find_blocks
-from surgery.compensation import KINDS
+from surgery.analysis.fit_graph import Form, kinds, switched
 from surgery.data import Windows
 from surgery.evaluate import Delta
-from surgery.facts import embedding_table, stream_dtype
 from surgery.passes import Fix
 from surgery.passes.common import narrower_than_float32
-
-if TYPE_CHECKING:
-    from surgery.select import Form
+from surgery.subject import Subject
 
 BATCH = 4  # selection windows scored together: one job for a Ray actor
 KEEP_BYTES = 1 << 30  # the streams a resumed selection keeps (checkpoints): at most this, or an eighth of the available memory
@@ -38,7 +33,7 @@ class TrialScorer(evaluate.Scorer):
 
 
 class Trials:
-    """The selection's trials: the switchboard of KINDS with the fixes in one scoring session, each trial the whole
+    """The selection's trials: the switchboard of the two forms (fit_graph.kinds) with the fixes in one scoring session, each trial the whole
     chosen set against the original on the selection windows, in batches of BATCH.
 
     Resumed (in this process, float32 or wider, when the graph allows: resumable.resumable): the session keeps the
@@ -46,19 +41,20 @@ class Trials:
     holds), and a trial that adds block l to it starts at the last checkpoint <= l, from that stream, since no block
     before l differs from the accepted set's. A trial then costs the blocks from there on and the logits."""
 
-    def __init__(self, model: ir.Model, fixes: dict[int, Fix], windows: Windows, candidates: list[int], pool: cluster.Pool,
+    def __init__(self, model: "ir.Model | Subject", fixes: dict[int, Fix], windows: Windows, candidates: list[int], pool: cluster.Pool,
                  options: runtime.Options, baseline: "Trials | None" = None):
         """baseline: Trials of the same model and windows whose unchanged run to reuse (no resumed trials then)."""
-        blocks = find_blocks(model)
+        subject = Subject.of(model)
+        blocks = subject.blocks
         self.n = len(blocks)
-        board = board_graph.switchboard(model, KINDS, fixes)
+        board = board_graph.switchboard(subject, kinds(fixes))
         resume = None
-        if baseline is None and not pool.distributed and not narrower_than_float32(stream_dtype(model).numpy()):
+        if baseline is None and not pool.distributed and not narrower_than_float32(subject.stream):
             resume = resumable.resumable(board, blocks)
         self.batches = [windows.take(range(i, min(i + BATCH, len(windows)))) for i in range(0, len(windows), BATCH)]
         self.resume, self.checkpoints = resume, ()
         if resume is not None:
-            per_block = windows.ids.size * stream_dtype(model).numpy().itemsize * embedding_table(model)[1]
+            per_block = windows.ids.size * subject.stream.itemsize * subject.d_model
             room = max(1, min(KEEP_BYTES, (compensation.available_memory() or KEEP_BYTES * 8) // 8) // max(per_block, 1))
             layers = sorted({l for l in candidates if 0 < l < self.n})
             self.checkpoints = tuple(layers[i] for i in data.spread(len(layers), room))
@@ -76,8 +72,8 @@ class Trials:
         reference = [self.scorers.share(r) for _, _, refs in parts for r in refs]  # [BATCH, seq, vocab] float32, sent to Ray actors once
         return evaluate.joined([p for p, _, _ in parts]), reference
 
-    def _extra(self, on: dict, start: int, batch: int) -> dict:
-        extra = {board_graph.SWITCHES: board_graph.switches(KINDS, self.n, on)}
+    def _extra(self, forms: dict[int, Form], start: int, batch: int) -> dict:
+        extra = {board_graph.SWITCHES: switched(self.n, forms)}
         return extra | self.resume.inputs(start, self.streams[batch]) if self.resume else extra
 
     def start(self, layer: int) -> int:
@@ -88,8 +84,7 @@ class Trials:
         """dNLL and KL of the blocks in `forms` against the original; `new`: the one block `forms` adds to the accepted
         set (None: run from block 0). Also what `accept` needs to make it the accepted set."""
         start = 0 if new is None else self.start(new)
-        on = {KINDS[0]: set(forms), KINDS[1]: {l for l, f in forms.items() if f == "compensated"}}
-        jobs = [(batch, self._extra(on, start, b), ref) for b, (batch, ref) in enumerate(zip(self.batches, self.reference))]
+        jobs = [(batch, self._extra(forms, start, b), ref) for b, (batch, ref) in enumerate(zip(self.batches, self.reference))]
         parts = list(self.scorers.map("run", jobs))
         self.passes += 1
         self.blocks_run += self.n - start

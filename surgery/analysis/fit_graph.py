@@ -107,7 +107,7 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Va
     side in `input_sides`, the twin mlp, while it reads resid_pre, reads it through that side."""
     if block.is_parallel:
         return
-X
+    on, prefix = ons[PARALLEL], f"surgery/fit_taps/blocks.{block.layer}"  # the block's parallelize switch
     g, values, e = board.graph, board.values, board.emitter(prefix)
     mid, pre = values[block.resid_mid], values[block.resid_pre]
     other = e.op("Where", [on, mid, pre], "twin_in")  # the input the mlp branch does not read

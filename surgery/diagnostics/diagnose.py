@@ -25,31 +25,36 @@ import numpy as np
 
 from surgery import __version__, cluster, compensation, data, evaluate, graph, runtime
 from surgery.analysis import field, probe, resumable, switchboard
-from surgery.blocks import find_blocks
 from surgery.defect import DefectStats
 from surgery.diagnostics import critical as crit
 from surgery.diagnostics import prefix, stats
 from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
+from surgery.analysis.switchboard import Switch
 from surgery.errors import SurgeryError
-from surgery.facts import embedding_table, stream_dtype
-from surgery.passes.ablate import KEEP_SINK
+from surgery.facts import embedding_table
+from surgery.passes import Ablation, Compensation
 from surgery.passes.common import narrower_than_float32
+from surgery.subject import Subject
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 PROBED = frozenset(("deficit", "diversity", "defect", "gate", "critical"))  # the sections that need the probe's pass
 ABLATION_MODES = ("tangential", "radial", "remove")
 SINK_MODES = ("tangential", "radial")  # also measured with position 0 keeping its branch output
 BRANCHES = ("mlp", "attn")
-PARALLEL = ("parallelize",)  # the switchboard kind of the single-layer parallel runs
-COMPENSATED = ("compensate",)  # ... and of the single-layer compensated runs (with PARALLEL on at the same layer)
-SINGLE = (PARALLEL, COMPENSATED)  # kinds run one layer at a time only
-WITH = {COMPENSATED: (PARALLEL,)}  # kinds that need others on at the same layers
+PARALLEL = Switch("parallelize")  # the switchboard kind of the single-layer parallel runs
+SINGLE = ("parallelize", "compensate")  # the passes whose kinds run one layer at a time only
+WITH = {"compensate": (PARALLEL,)}  # a pass whose kinds need others on at the same layers: a compensated block is parallel
 
 
-def _edit(branch: str, mode: str, *options: str) -> tuple[str, ...]:
+def _compensated(fixes: dict) -> Switch:
+    """The switchboard kind of the single-layer compensated runs (with PARALLEL on at the same layer)."""
+    return Switch("compensate", Compensation(fixes))
+
+
+def _edit(branch: str, mode: str, keep_sink: bool = False) -> Switch:
     """The switchboard kind of an ablation: the ablate pass on `branch` in `mode`."""
-    return ("ablate", branch, mode, *options)
+    return Switch("ablate", Ablation(branch, mode, keep_sink=keep_sink))
 
 
 CHUNK = 8  # single-layer loss runs of a window per job (a job is a few seconds of SmolLM2)
@@ -109,8 +114,8 @@ def _diagnose(
     if unknown:
         raise SurgeryError(f"unknown diagnostic {', '.join(sorted(unknown))}; choose from {','.join(SECTIONS)}")
     tell = progress or (lambda stage, done, total: None)
-    model = graph.load(model_path)
-    blocks = find_blocks(model, where=str(model_path))
+    model = Subject.load(model_path)  # read once: every step below takes it
+    blocks = model.blocks
     if any(b.fused for b in blocks):
         raise SurgeryError(f"{model_path} has fused blocks, whose attn_out and mlp_out are one MatMul; diagnose the model before `--fuse`")
     n = len(blocks)
@@ -171,7 +176,7 @@ def _scores(model, blocks, cal: data.Windows, only, critical_seeds: int, options
             sections["gate"] = {"alpha": result["alpha"]}
     if "critical" in only:
         with _timed(seconds, "critical"):
-            sections["critical"] = _critical(model, blocks, probed, critical_seeds, options, tell)
+            sections["critical"] = _critical(model.model, blocks, probed, critical_seeds, options, tell)
     return sections
 
 
@@ -198,8 +203,8 @@ def _prefix(model, cal: data.Windows, seq_len: int, options, rng: np.random.Gene
 def _losses(model, blocks, ev: data.Windows, only, fits: dict, options, tell, pool: cluster.Pool) -> dict:
     """The loss runs on the evaluation windows (_switch_losses): each block alone parallel and compensated (for
     defect), each ablation per layer and at all layers, and the sink-keeping ablations at all layers (for ablation)."""
-    sink_kinds = [_edit(b, m, KEEP_SINK) for b in BRANCHES for m in SINK_MODES] if "ablation" in only else []
-    kinds = ([PARALLEL, COMPENSATED] if "defect" in only else []) + (
+    sink_kinds = [_edit(b, m, keep_sink=True) for b in BRANCHES for m in SINK_MODES] if "ablation" in only else []
+    kinds = ([PARALLEL, _compensated(_fixes(fits))] if "defect" in only else []) + (
         [_edit(b, m) for b in BRANCHES for m in ABLATION_MODES] if "ablation" in only else []
     ) + sink_kinds
     return _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=_fixes(fits))
@@ -217,7 +222,7 @@ def _defect(scores: dict, fits: dict, losses: dict, n: int) -> dict:
     d = dict(scores)
     d["c_comp"] = [fits[l].c_comp if l in fixes else None for l in range(n)]
     d["c_comp_note"] = {str(l): f.note or "no fix" for l, f in sorted(fits.items()) if l not in fixes}
-    for name, kind in (("parallel", PARALLEL), ("compensated", COMPENSATED)):
+    for name, kind in (("parallel", PARALLEL), ("compensated", _compensated(fixes))):
         d.update({
             f"dnll_{name}": [losses[kind][l] for l in range(n)],
             f"dnll_{name}_interval": [losses["interval"][kind][l] for l in range(n)],
@@ -238,10 +243,10 @@ def _ablation(losses: dict, n: int) -> dict:
     its interval, mean token KL vs the original, top-1 agreement), and the sink-keeping edits at all layers."""
     intervals, kl, top1 = losses["interval"], losses["kl"], losses["top1"]
 
-    def table(source, modes=ABLATION_MODES, *options: str, per_layer: bool = False) -> dict:
+    def table(source, modes=ABLATION_MODES, keep_sink: bool = False, per_layer: bool = False) -> dict:
         """{branch: {mode: value at all layers, or the list over layers}} of one measure."""
         pick = (lambda runs: [runs[l] for l in range(n)]) if per_layer else (lambda runs: runs["all"])
-        return {b: {m: pick(source[_edit(b, m, *options)]) for m in modes} for b in BRANCHES}
+        return {b: {m: pick(source[_edit(b, m, keep_sink)]) for m in modes} for b in BRANCHES}
 
     return {
         "base_loss": losses["base"],
@@ -250,8 +255,8 @@ def _ablation(losses: dict, n: int) -> dict:
         "all_layers_interval": table(intervals),
         "per_layer_interval": table(intervals, per_layer=True),
         # position 0 (the attention sink) keeps its branch output; all layers at once only
-        "all_layers_keep_sink": table(losses, SINK_MODES, KEEP_SINK),
-        "all_layers_keep_sink_interval": table(intervals, SINK_MODES, KEEP_SINK),
+        "all_layers_keep_sink": table(losses, SINK_MODES, keep_sink=True),
+        "all_layers_keep_sink_interval": table(intervals, SINK_MODES, keep_sink=True),
         # mean token KL vs the original and top-1 agreement of the same runs
         "all_layers_kl": table(kl),
         "all_layers_top1": table(top1),
@@ -375,7 +380,7 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits;
     kinds in all_only at all layers only, kinds in SINGLE at each layer only): dNLL per kind and layer, and under
     "interval" its 95 % paired bootstrap [low, high] over the windows. A layer where a kind changes nothing (a parallel
-    block; COMPENSATED without a fix in `fixes`) gets None.
+    block; a compensated run without a fix in `fixes`) gets None.
 
     Window by window: the run with every switch off keeps each block's resid_post, and a run with a kind on at
     block l alone starts there from block l - 1's (blocks < l would compute what that run did). In float16, or
@@ -384,11 +389,11 @@ def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozen
     actors), each from the unchanged run's kept tensors; the parts are joined here in window order.
     """
     n, fixes = len(blocks), fixes or {}
-    lazy = not narrower_than_float32(stream_dtype(model).numpy())  # If boundaries round float16 on CPU
-    board = switchboard.switchboard(model, kinds, fixes, lazy=lazy)
+    lazy = not narrower_than_float32(Subject.of(model).stream)  # If boundaries round float16 on CPU
+    board = switchboard.switchboard(model, kinds, lazy=lazy)
     resume = resumable.resumable(board, blocks) if lazy else None
     jobs = [(kind, layer) for kind in kinds if kind not in all_only for layer in range(n)]
-    jobs += [(kind, "all") for kind in kinds if kind not in SINGLE]
+    jobs += [(kind, "all") for kind in kinds if kind.name not in SINGLE]
     runs = [job for job in jobs if not _unchanged(job, blocks, fixes)]
     chunks = [runs[i : i + CHUNK] for i in range(0, len(runs), CHUNK)]
     cut = dataclasses.replace(resume, model=None) if resume else None  # the graph goes to the actors once, as their model
@@ -440,7 +445,7 @@ class LossWindows:
     def _extra(self, run, kept) -> dict:
         kind, layer = run or (None, None)
         single = isinstance(layer, int)
-        on = {} if run is None else {k: {layer} if single else set(range(self.n)) for k in (kind, *WITH.get(kind, ()))}
+        on = {} if run is None else {k: {layer} if single else set(range(self.n)) for k in (kind, *WITH.get(kind.name, ()))}
         extra = {switchboard.SWITCHES: switchboard.switches(self.kinds, self.n, on)}
         if self.resume is not None:  # a single-layer run starts at its block, the others at block 0
             extra |= self.resume.inputs(layer if single else 0, kept)
@@ -450,7 +455,7 @@ class LossWindows:
 def _unchanged(job, blocks, fixes: dict) -> bool:
     """Whether a single-layer run would be the unchanged model: a parallel block, or no fix to switch on."""
     kind, layer = job
-    return kind in SINGLE and layer != "all" and (blocks[layer].is_parallel or (kind == COMPENSATED and layer not in fixes))
+    return kind.name in SINGLE and layer != "all" and (blocks[layer].is_parallel or (kind.name == "compensate" and layer not in fixes))
 
 
 def _describe(w: data.Windows) -> dict:

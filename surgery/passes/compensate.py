@@ -36,14 +36,18 @@ from surgery.passes.fix import Fix
 NAME = "compensate"
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class Compensation:
     """The fix of each block, by layer. after_branch (switchboards only): the output side is added after the branch,
     so what reads attn_out and mlp_out sees them unfixed (compensation's fit taps), instead of folded into the weights.
-    Compared by identity: a switchboard kind holding it is the one object its caller made."""
+    Compared by the layers it fixes (a switchboard holds one compensate kind), so a kind survives pickling to Ray."""
 
-    fixes: Mapping[int, Fix]
+    fixes: Mapping[int, Fix] = dataclasses.field(compare=False)
     after_branch: bool = False
+    layers: tuple[int, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(sorted(self.fixes)))
 
 
 class Compensate(Pass):

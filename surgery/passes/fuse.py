@@ -33,12 +33,12 @@ from surgery.passes.fix import Fix
 NAME = metadata.FUSE  # find_blocks tells a fused block by it
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class Fusion:
     """Per layer, a linear fix folded into [W_o ; W_down] and the output bias (see compensate): the compensated, or
     with Fix.gate(alpha) the calibrated, fused parallel block; a layer without one is fused plain."""
 
-    fixes: Mapping[int, Fix] = dataclasses.field(default_factory=dict)
+    fixes: Mapping[int, Fix] = dataclasses.field(default_factory=dict, compare=False)
 
 
 class Fuse(Pass):
