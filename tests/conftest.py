@@ -16,8 +16,15 @@ FIXTURES = ROOT / "graphs"
 
 @pytest.fixture
 def fixture_path():
-    """Path of a committed tiny exported model: fixture_path('llama') -> graphs/tiny-llama."""
-    return lambda family: FIXTURES / f"tiny-{family.replace('_', '-')}"
+    """Path of a committed tiny exported model: fixture_path('llama') -> graphs/tiny-llama (tests.helpers.FAMILIES'
+    families with a fixture_ln)."""
+    from tests.helpers import FAMILIES
+
+    def path(family):
+        assert FAMILIES[family].fixture_ln, f"{family} has no committed export"
+        return FAMILIES[family].folder
+
+    return path
 
 
 @dataclasses.dataclass(frozen=True)
