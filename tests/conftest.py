@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # graphs.make_fixtures (tiny model builders) and tests.reference
-
-FIXTURES = ROOT / "graphs"
+sys.path.insert(0, str(ROOT))  # graphs.make_fixtures (the tiny families) and tests.reference
 
 
 @pytest.fixture
