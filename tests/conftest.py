@@ -9,15 +9,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # graphs.make_fixtures (tiny model builders) and tests.reference
-
-FIXTURES = ROOT / "graphs"
+sys.path.insert(0, str(ROOT))  # graphs.make_fixtures (the tiny families) and tests.reference
 
 
 @pytest.fixture
 def fixture_path():
-    """Path of a committed tiny exported model: fixture_path('llama') -> graphs/tiny-llama."""
-    return lambda family: FIXTURES / f"tiny-{family.replace('_', '-')}"
+    """Path of a committed tiny exported model: fixture_path('llama') -> graphs/tiny-llama (tests.helpers.FAMILIES'
+    families with a fixture_ln)."""
+    from tests.helpers import FAMILIES
+
+    def path(family):
+        assert FAMILIES[family].fixture_ln, f"{family} has no committed export"
+        return FAMILIES[family].folder
+
+    return path
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,53 +1,73 @@
-"""Plain helpers several test modules share: tiny HF model builders, token ids, logits, a graph with no blocks.
+"""Plain helpers several test modules share: the tiny families, token ids, logits, the parity comparisons, a graph
+with no blocks.
 
 Tests import these from here, never from one another (conftest's `tiny_export` caches what `save_tiny` builds)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 import numpy as np
 import onnx_ir as ir
 
+from graphs.make_fixtures import COMMITTED, FAMILIES, Family, save_tiny  # noqa: F401  the one table of tiny families, their builder
 from surgery import graph, runtime
 
 IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
-
-
-def save_tiny(family: str, folder: Path, seed: int = 0, **config) -> Path:
-    """A tiny random HF folder of `family`: graphs.make_fixtures' families, and Phi-3 (one fused gate_up
-    projection) and Gemma 3 text built here the same way; `config` overrides the tiny config's fields."""
-    import torch
-    import transformers as T
-
-    from graphs.make_fixtures import TOKENIZER, VOCAB
-    from graphs.make_fixtures import save_tiny as save_fixture_family
-
-    if family not in ("phi3", "gemma3_text"):
-        return save_fixture_family(family, folder, seed=seed, **config)
-    torch.manual_seed(seed)
-    if family == "phi3":
-        phi3 = T.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                            vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0, **config)
-        model = T.AutoModelForCausalLM.from_config(phi3, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:  # norm scales 1 -> 1 +- 0.2, so that no two layers share an initializer
-                    p.add_(0.2 * torch.randn_like(p))
-    else:
-        gemma3 = T.Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                    head_dim=16, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=256, bos_token_id=0,
-                                    eos_token_id=0, pad_token_id=0, **config)
-        model = T.Gemma3ForCausalLM(gemma3)
-    model.save_pretrained(folder)
-    T.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
-    return folder
 
 
 def logits(model: ir.Model, ids: np.ndarray = IDS, extra: dict | None = None) -> np.ndarray:
     """The graph's logits on `ids`: [batch, pos, vocab] (extra: inputs surgery added, such as a switchboard's)."""
     session = runtime.session(model)
     return session.run(["logits"], runtime.feeds(session, ids, extra=extra))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tol:
+    """|got - expected| <= atol + rtol |expected| elementwise; of_scale: atol is a fraction of max |expected|, the
+    tensor's own scale (real models carry a few huge residual coordinates, SmolLM2's ~1e4, where float32
+    reordering alone moves elements by more than an absolute 1e-4)."""
+
+    rtol: float
+    atol: float
+    of_scale: bool = False
+
+    def check(self, got: np.ndarray, expected: np.ndarray, what: str = "") -> None:
+        atol = self.atol * max(float(np.abs(expected).max()), 1e-30) if self.of_scale else self.atol
+        np.testing.assert_allclose(got, expected, rtol=self.rtol, atol=atol, err_msg=what)
+
+
+FLOAT32 = Tol(1e-4, 1e-4)  # a float32 graph and its float32 reference: reordering error on the tiny models' logits
+
+
+def assert_logits_equal(model: ir.Model, expected: np.ndarray, ids: np.ndarray = IDS, tol: Tol = FLOAT32,
+                        extra: dict | None = None) -> np.ndarray:
+    """The graph's logits on `ids` equal `expected` (a reference's: the hooked HF model, another graph) to `tol`;
+    returns them."""
+    got = logits(model, ids, extra)
+    tol.check(got, expected, "logits")
+    return got
+
+
+def assert_found_tensors_equal_hooked(model: ir.Model, hf, ids: np.ndarray, logits_tol: Tol = FLOAT32, tensor_tol: Tol = FLOAT32,
+                                      prepare=lambda tapped: tapped) -> tuple[dict[str, np.ndarray], list[tuple[int, str, str]]]:
+    """Every tensor find_blocks names (resid_pre, attn_out, resid_mid, mlp_out, resid_post of each block), tapped
+    in `model` (then `prepare`d) and run on `ids`, equals the HF model `hf`'s with forward hooks
+    (tests.reference.block_tensors), and so do the logits; every hooked tensor is found. Returns the tapped values by name and the
+    (layer, key, value name) of each tensor found."""
+    from surgery.analysis import probe
+    from surgery.blocks import find_blocks
+    from tests.reference import block_tensors
+
+    names = [(b.layer, key, value) for b in find_blocks(model) for key, value in b.tensors().items()]
+    session = runtime.session(prepare(probe.tap(model, [value for _, _, value in names])))
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, ids))))
+    expected_logits, expected = block_tensors(hf, ids)
+    logits_tol.check(got["logits"], expected_logits, "logits")
+    for layer, key, value in names:
+        tensor_tol.check(got[value], expected[layer][key], f"blocks.{layer}.{key}")
+    assert {key for layer, key, _ in names if layer == 0} == set(expected[0]), "every hooked tensor is found"
+    return got, names
 
 
 class Exported:

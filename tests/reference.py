@@ -5,20 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# model_type -> (blocks, attention, mlp, ln2) submodule names: the attention and mlp modules' outputs are
-# attn_out and mlp_out, ln2's input is resid_mid (the module the mlp branch reads it with).
-LAYOUT = {
-    "gpt2": ("transformer.h", "attn", "mlp", "ln_2"),
-    "gpt_neox": ("gpt_neox.layers", "attention", "mlp", "post_attention_layernorm"),
-    "llama": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
-    "qwen2": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
-    "mistral": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
-    "phi3": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),
-    "granite": ("model.layers", "self_attn", "mlp", "post_attention_layernorm"),  # the hooks see the branches before residual_multiplier
-    # the branch outputs are normalised: attn_out and mlp_out are the post-norms' outputs
-    "gemma2": ("model.layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
-    "olmo2": ("model.layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp"),
-}
+from tests.helpers import FAMILIES
+
+# model_type -> (blocks, attention, mlp, ln2) submodule names, from the families' table (a family's name is its
+# model_type but for gpt_neox_parallel, a gpt_neox): the attention and mlp modules' outputs are attn_out and
+# mlp_out, ln2's input is resid_mid (the module the mlp branch reads it with).
+LAYOUT = {name: family.layout for name, family in FAMILIES.items() if family.layout}
 
 
 def _first(x):
@@ -59,17 +51,6 @@ def block_tensors(model, input_ids: np.ndarray) -> tuple[np.ndarray, list[dict[s
         for h in handles:
             h.remove()
     return logits, records
-
-
-def assert_close_to_scale(got: np.ndarray, expected: np.ndarray, tol: float, what: str = "") -> None:
-    """max |got - expected| <= tol * max |expected|: float32 error relative to the tensor's own scale.
-
-    Real models carry a few huge residual coordinates (SmolLM2: ~1e4), where float32 reordering
-    alone moves elements by more than an absolute 1e-4.
-    """
-    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
-    err = float(np.abs(got - expected).max()) / max(float(np.abs(expected).max()), 1e-30)
-    assert err <= tol, f"{what}: max error {err:.2e} of the tensor's scale (tolerance {tol:.0e})"
 
 
 def edit(out: torch.Tensor, ref: torch.Tensor, mode: str, scale: float | None = None) -> torch.Tensor:

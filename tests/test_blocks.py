@@ -3,15 +3,14 @@ import onnx_ir as ir
 import pytest
 
 from surgery import graph, runtime
-from surgery.analysis import probe as probe_graph
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
-from tests.helpers import linear_model
+from tests.helpers import COMMITTED, FAMILIES, assert_found_tensors_equal_hooked, linear_model
 
-FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "mistral", "phi3"]  # Phi-3: one fused gate_up projection
-BRANCH_NORMED = ["gemma2", "olmo2"]  # norms on the branch outputs: the stream is told from a branch by dependence
+PLAIN_NORMED = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "mistral", "phi3"]
+BRANCH_NORMED = [f for f in FAMILIES if FAMILIES[f].post_norm and FAMILIES[f].layout]  # Gemma 2, OLMo 2
 EXPORTS = [("optimum", True), ("optimum", False), ("dynamo", False)]
-CASES = [(f, *e) for f in FAMILIES for e in EXPORTS] + [(f, *e) for f in BRANCH_NORMED for e in (EXPORTS[0], EXPORTS[2])]
+CASES = [(f, *e) for f in PLAIN_NORMED for e in EXPORTS] + [(f, *e) for f in BRANCH_NORMED for e in (EXPORTS[0], EXPORTS[2])]
 
 
 @pytest.mark.parametrize("family,exporter,past", CASES, ids=[f"{f}-{e}{'-past' if p else ''}" for f, e, p in CASES])
@@ -19,31 +18,19 @@ def test_found_tensors_equal_the_hooked_hf_model(family, exporter, past, tiny_ex
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from tests.reference import block_tensors
-
     tiny = tiny_export(family, exporter=exporter, past=past, seed=0)
     model = graph.load(tiny.onnx)
     blocks = find_blocks(model)
 
     reference = AutoModelForCausalLM.from_pretrained(tiny.hf, attn_implementation="eager").eval()
     assert len(blocks) == reference.config.num_hidden_layers
-    parallel = family.endswith("parallel")
-    assert all(b.is_parallel == parallel for b in blocks)
-    ln = {"olmo2": "none"}.get(family, "LayerNorm" if family.startswith("gpt") else "RMSNorm")  # OLMo 2: no norm before a branch
-    assert all(ln in b.ln_kind for b in blocks)
-    assert all(b.mlp_kind == ("plain" if family.startswith("gpt") else "gated") for b in blocks)
+    f = FAMILIES[family]
+    assert all(b.is_parallel == (f.form == "parallel") for b in blocks)
+    assert all(f.ln in b.ln_kind for b in blocks)
+    assert all(b.mlp_kind == f.mlp for b in blocks)
 
     ids = np.random.default_rng(0).integers(0, reference.config.vocab_size, size=(2, 11))
-    names = [(b.layer, key, value) for b in blocks for key, value in b.tensors().items()]
-    tapped = probe_graph.tap(model, [value for _, _, value in names])
-    session = runtime.session(tapped)
-    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, ids))))
-    logits, expected = block_tensors(reference, ids)
-
-    np.testing.assert_allclose(got["logits"], logits, rtol=1e-4, atol=1e-4)
-    for layer, key, value in names:
-        np.testing.assert_allclose(got[value], expected[layer][key], rtol=1e-4, atol=1e-4, err_msg=f"blocks.{layer}.{key}")
-    assert set(expected[0]) == set(blocks[0].tensors())  # every hooked tensor was found
+    assert_found_tensors_equal_hooked(model, reference, ids)  # every hooked tensor found, each and the logits to 1e-4
 
 
 def _quantized(source, out, how):
@@ -78,8 +65,8 @@ QUANTIZED_OP = {"dynamic": "MatMulInteger", "dynamic-fused": "DynamicQuantizeMat
 
 
 @pytest.mark.parametrize("how", list(QUANTIZED_OP))
-@pytest.mark.parametrize("family,mlp", [("llama", "gated"), ("gpt2", "plain"), ("gpt_neox_parallel", "plain")])
-def test_an_int8_quantized_mlp_keeps_its_kind(fixture_path, tmp_path, family, mlp, how):
+@pytest.mark.parametrize("family", COMMITTED)
+def test_an_int8_quantized_mlp_keeps_its_kind(fixture_path, tmp_path, family, how):
     """The mlp kind reads through quantizers: act(gate) * up is gated with its projections in int8."""
     import shutil
 
@@ -89,19 +76,16 @@ def test_an_int8_quantized_mlp_keeps_its_kind(fixture_path, tmp_path, family, ml
     model = graph.load(path)
     assert QUANTIZED_OP[how] in {n.op_type for n in model.graph}
     blocks = find_blocks(model)
-    assert [b.mlp_kind for b in blocks] == [mlp] * 3
+    assert [b.mlp_kind for b in blocks] == [FAMILIES[family].mlp] * 3
     assert [b.form for b in blocks] == [b.form for b in find_blocks(graph.load(fixture_path(family)))]
 
 
-@pytest.mark.parametrize(
-    "family,form,ln,mlp",
-    [("llama", "sequential", "RMSNorm (decomposed)", "gated"), ("gpt2", "sequential", "LayerNorm (fused op)", "plain"),
-     ("gpt_neox_parallel", "parallel", "LayerNorm (fused op)", "plain")],
-)
-def test_fixtures_without_torch(fixture_path, family, form, ln, mlp):
+@pytest.mark.parametrize("family", COMMITTED)
+def test_fixtures_without_torch(fixture_path, family):
+    f = FAMILIES[family]
     blocks = find_blocks(graph.load(fixture_path(family)))
     assert [b.layer for b in blocks] == [0, 1, 2]
-    assert {(b.form, b.ln_kind, b.mlp_kind) for b in blocks} == {(form, ln, mlp)}
+    assert {(b.form, b.ln_kind, b.mlp_kind) for b in blocks} == {(f.form, f.fixture_ln, f.mlp)}
     # The stream is one chain: each block starts where the previous one ended.
     assert all(a.resid_post == b.resid_pre for a, b in zip(blocks, blocks[1:]))
     assert all(b.mlp_in == (b.resid_pre if b.is_parallel else b.resid_mid) for b in blocks)

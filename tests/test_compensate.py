@@ -12,7 +12,7 @@ from surgery.passes import Fix, compensate, fuse, parallelize
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import IDS, Exported, logits  # noqa: E402
+from tests.helpers import FAMILIES, IDS, Exported, assert_logits_equal, logits  # noqa: E402
 from tests.reference import edited_logits  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def test_folded_fix_equals_the_hooked_model(tiny, layers, fused, inputs):
     fixes = {l: as_fix(a) for l, a in arrays.items()}
     result = fuse(tiny.onnx, layers, fixes) if fused else compensate(tiny.onnx, fixes)
     expected = edited_logits(tiny.torch, IDS, parallel=layers, fixes=arrays)
-    np.testing.assert_allclose(logits(result.model), expected, rtol=1e-4, atol=1e-4)
+    assert_logits_equal(result.model, expected)
     # the fix matters: without it the logits are those of the plain parallel model, far from these
     assert np.abs(logits(parallelize(tiny.onnx, layers).model) - expected).max() > 1e-2
     blocks = find_blocks(result.model)
@@ -62,16 +62,14 @@ def test_compensate_is_pure_idempotent_and_keeps_the_op_count(tiny):
     assert ir.to_proto(tiny.onnx).SerializeToString() == before
     plain = parallelize(tiny.onnx, {0, 2}).model
     extra = len(once.model.graph) - len(plain.graph)  # one bias Add per block where the mlp had no bias
-    has_bias = tiny.torch.config.model_type in ("gpt2", "gpt_neox")
-    assert extra == (0 if has_bias else 2)
+    assert extra == (0 if FAMILIES[tiny.torch.config.model_type].mlp_bias else 2)
     assert metadata.history(once.model)[-1]["pass"] == "compensate"
 
 
 def test_gate_fix_is_the_calibrated_block(tiny):
     alpha = {0: 0.7, 2: 1.3}
-    got = logits(compensate(tiny.onnx, {l: Fix.gate(a) for l, a in alpha.items()}).model)
     expected = tiny.reference(parallel=set(alpha), branch_edits=[("mlp", "scale", {l}, a) for l, a in alpha.items()])
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert_logits_equal(compensate(tiny.onnx, {l: Fix.gate(a) for l, a in alpha.items()}).model, expected)
 
 
 def test_parallel_families_and_fused_blocks_refuse_compensation(fixture_path):
@@ -120,8 +118,8 @@ def test_residual_multipliers_fold_into_the_projections(tiny_export):
     expected = edited_logits(tiny.torch, IDS, parallel=layers, fixes={l: (w_a, w_p, b / c) for l, (w_a, w_p, b) in arrays.items()})
     assert np.abs(edited_logits(tiny.torch, IDS, parallel=layers, fixes=arrays) - expected).max() > 1e-3  # b / c matters
     for result in (compensate(model, fixes), fuse(model, layers, fixes)):
-        np.testing.assert_allclose(logits(result.model), expected, rtol=1e-4, atol=1e-4)
+        assert_logits_equal(result.model, expected)
     kinds = [("parallelize",), ("compensate",)]
     board = board_graph.switchboard(model, kinds, fixes)
     on = board_graph.switches(kinds, 3, {kinds[0]: layers, kinds[1]: layers})
-    np.testing.assert_allclose(logits(board, extra={board_graph.SWITCHES: on}), expected, rtol=1e-4, atol=1e-4)
+    assert_logits_equal(board, expected, extra={board_graph.SWITCHES: on})

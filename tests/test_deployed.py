@@ -17,13 +17,15 @@ from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import MODES, ablate, compensate, fuse, parallelize, projection
 from surgery.passes import Fix
+from tests.helpers import FAMILIES, FLOAT32, Tol, assert_found_tensors_equal_hooked, assert_logits_equal
+from tests.helpers import logits as ids_logits
 
 IDS = np.random.default_rng(2).integers(0, 512, size=(2, 9))
 # Every graph equals its HF model to float error. int4: the builder's MatMulNBits quantize activations to int8 on
 # CPU (accuracy_level 4), 7e-3 away from the HF model with the dequantized weights on logits of magnitude 0.6,
 # farther than an edit such as mlp tangential moves them; its graphs are compared on copies computing in fp32
 # (`exact`), where they equal that HF model to float error.
-TOL = 1e-4
+TOL = FLOAT32.atol  # 1e-4, FLOAT32's rtol and atol
 VARIANTS = {
     "genai-fp32": ("llama", "genai", "fp32"),
     "genai-int4": ("llama-tied", "genai", "int4"),  # tied embeddings: the table is GatherBlockQuantized of lm_head's weights
@@ -107,8 +109,7 @@ def deployed(request, builds):
 
 
 def logits(model, ids=IDS, extra=None) -> np.ndarray:
-    session = runtime.session(model)
-    return session.run(["logits"], runtime.feeds(session, ids, extra=extra))[0]
+    return ids_logits(model, ids, extra)
 
 
 def contrib_ops(path) -> collections.Counter:
@@ -118,21 +119,13 @@ def contrib_ops(path) -> collections.Counter:
 
 def test_found_tensors_equal_the_hooked_hf_model(deployed):
     from surgery.facts import describe
-    from tests.reference import block_tensors
 
     facts = describe(deployed.folder)
     assert (facts.n_layers, facts.d_model, facts.vocab) == (3, deployed.torch.config.hidden_size, 512)
     blocks = find_blocks(deployed.onnx)
     assert [b.form for b in blocks] == ["sequential"] * 3
     assert all(b.mlp_kind == ("plain" if deployed.torch.config.model_type == "gpt2" else "gated") for b in blocks)
-    names = [(b.layer, key, value) for b in blocks for key, value in b.tensors().items()]
-    session = runtime.session(exact(probe_graph.tap(deployed.onnx, [v for _, _, v in names])))
-    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, runtime.feeds(session, IDS))))
-    expected_logits, expected = block_tensors(deployed.torch, IDS)
-    np.testing.assert_allclose(got["logits"], expected_logits, rtol=TOL, atol=TOL)
-    for layer, key, value in names:
-        scale = np.abs(expected[layer][key]).max()
-        np.testing.assert_allclose(got[value], expected[layer][key], rtol=TOL, atol=TOL * scale, err_msg=f"blocks.{layer}.{key}")
+    got, names = assert_found_tensors_equal_hooked(deployed.onnx, deployed.torch, IDS, tensor_tol=Tol(TOL, TOL, of_scale=True), prepare=exact)
     if deployed.int4:  # and, to float error, the unrewritten int4 graph's own values, where it exposes them
         raw = ir.load(graph.resolve(deployed.folder))
         canonical.state_kv_sizes(raw, deployed.folder)
@@ -151,19 +144,19 @@ def test_parallelize_matches_the_hooked_hf_model(deployed, layers):
 
     result = parallelize(deployed.onnx, layers)
     expected = edited_logits(deployed.torch, IDS, parallel=layers)
-    np.testing.assert_allclose(logits(exact(result.model)), expected, rtol=TOL, atol=TOL)
+    assert_logits_equal(exact(result.model), expected, IDS)
     assert [b.is_parallel for b in find_blocks(result.model)] == [layer in layers for layer in range(3)]
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("branch", ["mlp", "attn"])
-def test_project_matches_the_hooked_hf_model(deployed, branch, mode):
+def test_ablate_matches_the_hooked_hf_model(deployed, branch, mode):
     from tests.reference import edited_logits
 
     scale = 0.5 if mode == "scale" else None
     result = ablate(deployed.onnx, branch, mode, {0, 1, 2}, scale)
     expected = edited_logits(deployed.torch, IDS, branch_edits=[(branch, mode, {0, 1, 2}, scale)])
-    np.testing.assert_allclose(logits(exact(result.model)), expected, rtol=TOL, atol=TOL)
+    assert_logits_equal(exact(result.model), expected, IDS)
 
 
 @pytest.mark.parametrize("deployed", ["genai-int4"], indirect=True)
@@ -191,7 +184,7 @@ def test_written_rewrites_keep_the_input_s_fused_ops(deployed, tmp_path):
     assert not any(metadata.UNFUSED in n.metadata_props for n in written.graph)
     again = graph.load(out.parent)
     assert [b.form for b in find_blocks(again)] == ["sequential", "parallel", "sequential"]
-    np.testing.assert_allclose(logits(again), logits(model), rtol=1e-5, atol=1e-5)
+    assert_logits_equal(again, logits(model), IDS, Tol(1e-5, 1e-5))
     names = {p.name for p in deployed.folder.iterdir()} - {p.name for p in graph.external_data_files(deployed.onnx)}
     assert names <= {p.name for p in out.parent.iterdir()}  # genai_config.json, tokenizer files, ...
 
@@ -205,13 +198,13 @@ def test_fuse_and_compensate_match_the_hooked_hf_model(deployed):
     rng = np.random.default_rng(3)
     fix = (0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d))
     expected = edited_logits(deployed.torch, IDS, parallel={1}, fixes={1: fix})
-    np.testing.assert_allclose(logits(compensate(deployed.onnx, {1: Fix(*fix)}).model), expected, rtol=TOL, atol=TOL)
+    assert_logits_equal(compensate(deployed.onnx, {1: Fix(*fix)}).model, expected, IDS)
     sides = (0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d))  # and an mlp input side, into W_gate / W_up
     expected = edited_logits(deployed.torch, IDS, parallel={1}, fixes={1: fix + sides})
-    np.testing.assert_allclose(logits(compensate(deployed.onnx, {1: Fix(*fix, w_in=sides[0], b_in=sides[1])}).model), expected, rtol=TOL, atol=TOL)
+    assert_logits_equal(compensate(deployed.onnx, {1: Fix(*fix, w_in=sides[0], b_in=sides[1])}).model, expected, IDS)
     assert np.abs(logits(compensate(deployed.onnx, {1: Fix(*fix)}).model) - expected).max() > 10 * TOL
     fused = fuse(deployed.onnx, {0, 1, 2}).model
-    np.testing.assert_allclose(logits(fused), edited_logits(deployed.torch, IDS, parallel={0, 1, 2}), rtol=TOL, atol=TOL)
+    assert_logits_equal(fused, edited_logits(deployed.torch, IDS, parallel={0, 1, 2}), IDS)
 
 
 @pytest.mark.parametrize("name", ["genai-int4", "genai-int4-llama", "genai-int4-qwen2"])
@@ -226,12 +219,12 @@ def test_fused_int4_blocks_equal_the_unfused_int4_rewrite(builds, name):
     count = lambda m, op: sum(n.op_type == op for n in m.graph)  # noqa: E731
     assert count(fused, "MatMulNBits") == count(model, "MatMulNBits") - 2 * len(layers)  # [gate|up], [o ; down]
     reference = logits(exact(parallelize(model, layers).model))
-    np.testing.assert_allclose(logits(exact(fused)), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    assert_logits_equal(exact(fused), reference, IDS, Tol(1e-5, 1e-5, of_scale=True))
     rng = np.random.default_rng(4)
     d = embedding_table(model)[1]
     fixes = {l: Fix(0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d)) for l in layers}
     compensated = logits(exact(compensate(model, fixes).model))
-    np.testing.assert_allclose(logits(exact(fuse(model, layers, fixes).model)), compensated, rtol=1e-5, atol=1e-5 * np.abs(compensated).max())
+    assert_logits_equal(exact(fuse(model, layers, fixes).model), compensated, IDS, Tol(1e-5, 1e-5, of_scale=True))
     assert np.abs(compensated - reference).max() > 100 * 1e-5 * np.abs(reference).max()
 
 
@@ -280,7 +273,7 @@ def test_compensated_int4_fold_is_the_numpy_dequantize_fold_requantize(deployed)
             hf.model.layers[1].self_attn.o_proj.weight.copy_(before["o"])
             hf.model.layers[1].mlp.down_proj.weight.copy_(before["down"])
     result = compensate(deployed.onnx, {1: Fix(*fix)})
-    np.testing.assert_allclose(logits(exact(result.model)), expected, rtol=TOL, atol=TOL)
+    assert_logits_equal(exact(result.model), expected, IDS)
     assert np.abs(logits(exact(parallelize(deployed.onnx, {1}).model)) - expected).max() > 30 * TOL  # the fold matters
     assert [n.op_type for n in result.model.graph].count("MatMulNBits") == [n.op_type for n in deployed.onnx.graph].count("MatMulNBits")
     kinds = [("parallelize",), ("compensate",)]
@@ -288,7 +281,7 @@ def test_compensated_int4_fold_is_the_numpy_dequantize_fold_requantize(deployed)
     for model in (exact(deployed.onnx), deployed.onnx):  # the switch's MatMulNBits computes as the written one
         board = board_graph.switchboard(model, kinds, {1: Fix(*fix)})
         written = compensate(model, {1: Fix(*fix)}).model
-        np.testing.assert_allclose(logits(board, extra={board_graph.SWITCHES: on}), logits(written), rtol=1e-6, atol=1e-6)
+        assert_logits_equal(board, logits(written), IDS, Tol(1e-6, 1e-6), extra={board_graph.SWITCHES: on})
 
 
 def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):
@@ -296,10 +289,9 @@ def test_ort_optimizer_fuses_every_norm_of_a_parallel_rewrite(tmp_path):
     of resid_pre, so both of its norms still fuse."""
     pytest.importorskip("torch")  # optimize_model imports it
     from graphs.deployed import ort_optimize
-    from tests.conftest import FIXTURES
-
-    rewritten = graph.write(parallelize(graph.load(FIXTURES / "tiny-llama"), {1, 2}).model, tmp_path / "par", FIXTURES / "tiny-llama")
-    original = ort_optimize(FIXTURES / "tiny-llama", tmp_path / "opt", level=1)
+    llama = FAMILIES["llama"].folder
+    rewritten = graph.write(parallelize(graph.load(llama), {1, 2}).model, tmp_path / "par", llama)
+    original = ort_optimize(llama, tmp_path / "opt", level=1)
     optimized = ort_optimize(rewritten.parent, tmp_path / "par-opt", level=1)
     assert contrib_ops(optimized)["SkipSimplifiedLayerNormalization"] == contrib_ops(original)["SkipSimplifiedLayerNormalization"] == 6
     assert [b.form for b in find_blocks(graph.load(optimized))] == ["sequential", "parallel", "parallel"]
@@ -355,10 +347,8 @@ def test_default_main_job_on_a_genai_folder_generates_in_onnxruntime_genai(build
 
 def test_an_op_the_table_does_not_know_is_one_line(tmp_path):
     """A block holding an op outside the standard domain that surgery's op table does not describe."""
-    from tests.conftest import FIXTURES
-
-    model = ir.load(FIXTURES / "tiny-llama" / "model.onnx")
-    block = find_blocks(graph.load(FIXTURES / "tiny-llama"))[1]
+    model = ir.load(FAMILIES["llama"].folder / "model.onnx")
+    block = find_blocks(graph.load(FAMILIES["llama"].folder))[1]
     values = nodes.values_by_name(model)
     down = values[block.mlp_out].producer()  # the down projection; its input is act(gate) * up
     gated = down.inputs[0].producer()

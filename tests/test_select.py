@@ -90,12 +90,11 @@ class TestFused:
 
     @pytest.mark.parametrize("layers", [{1}, {0, 2}, {0, 1, 2}], ids=str)
     def test_fused_equals_the_hooked_parallel_model(self, tiny, layers):
-        from tests.helpers import IDS
+        from tests.helpers import IDS, assert_logits_equal
 
         result = fuse(tiny.onnx, layers)
-        got = logits(result.model, IDS)
-        np.testing.assert_allclose(got, tiny.reference(parallel=layers), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(got, logits(parallelize(tiny.onnx, layers).model, IDS), rtol=1e-4, atol=1e-4)
+        assert_logits_equal(result.model, tiny.reference(parallel=layers))
+        assert_logits_equal(result.model, logits(parallelize(tiny.onnx, layers).model, IDS))
         blocks = find_blocks(result.model)
         assert [b.form for b in blocks] == ["fused" if b.layer in layers else "sequential" for b in blocks]
         ops = [n.op_type for n in result.model.graph if n.metadata_props.get("surgery.layer") == str(min(layers))]
@@ -103,14 +102,14 @@ class TestFused:
         assert fuse(result.model, layers).changed_layers == ()  # idempotent
 
     def test_calibrated_fused_and_plain_equal_the_hooked_model(self, tiny):
-        from tests.helpers import IDS
+        from tests.helpers import assert_logits_equal
 
         alpha = {0: 0.7, 2: 1.3}
         edits = [("mlp", "scale", {layer}, a) for layer, a in alpha.items()]
         expected = tiny.reference(parallel=set(alpha), branch_edits=edits)
         for fused in (False, True):
             model = rewrite(tiny.onnx, set(alpha), fused=fused, fixes={l: Fix.gate(a) for l, a in alpha.items()}).model
-            np.testing.assert_allclose(logits(model, IDS), expected, rtol=1e-4, atol=1e-4)
+            assert_logits_equal(model, expected)
 
     def test_fused_kv_cache_folder_generates_like_the_hooked_model(self, tiny, tmp_path):
         import torch
