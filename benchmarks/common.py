@@ -26,17 +26,3 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def drift_refit(model, fit_windows, chosen, fixes: dict, stream: dict) -> dict:
-    """Each chosen block's fix, in layer order, refitted by compensation.fit(drift=stream): aimed at the original
-    resid_post, on the stream of the model whose earlier chosen blocks are already rewritten (one fit pass per block)."""
-    from surgery import compensation
-    from surgery.compensation import KINDS
-
-    fixes = dict(fixes)
-    for layer in sorted(chosen)[1:]:
-        before = {l for l in chosen if l < layer}
-        on = {KINDS[0]: before, KINDS[1]: before & set(fixes)}
-        fixes[layer] = compensation.fit(model, fit_windows, {layer}, fixes=fixes, on=on, drift=stream)[layer].fix
-    return fixes

@@ -170,11 +170,11 @@ class Rates:
         setup = (time.perf_counter() - start) / (4 * s.block_params())
         feed = runtime.feeds(sess, rng.integers(0, 512, (1, t)))
         block = _seconds(lambda: sess.run(["logits"], feed), 5)
-        from surgery.diagnostics.diagnose import _diagnose
+        from surgery.diagnostics import diagnose
 
         # diagnose's own probe, loss runs and prefix sensitivity on the one-block decoder (its head: 512 tokens, negligible)
         n_cal, n_eval, only = 3, 2, ("deficit", "diversity", "defect", "gate", "ablation", "prefix")
-        report = _diagnose(folder, seq_len=t, windows=n_cal, eval_windows=n_eval, only=only, options=runtime.analysis(runtime.Options())).to_json()
+        report = diagnose(folder, seq_len=t, windows=n_cal, eval_windows=n_eval, only=only, options=runtime.analysis(runtime.Options())).to_json()
         probe = (report["seconds"]["probe"] - report["seconds"]["probe_setup"]) / n_cal  # diagnose's probe of one window, one block
         loss = report["seconds"]["losses"] / (n_eval * _loss_blocks(1))
         prefix = report["seconds"]["prefix"] / (n_cal * _prefix_runs(t))
@@ -254,16 +254,15 @@ def _update(model, rng, t: int, windows: int = 8) -> float:
     of one window and a run of 1 + `windows` (the first window of a run also allocates and first touches the
     sums, which a fit over tens of windows pays once per layer)."""
     from surgery import runtime
-    from surgery.analysis import switchboard as board_graph
-    from surgery.analysis.fit_graph import KINDS, fit_graph
+    from surgery.analysis.fit_graph import fit_graph, switched
     from surgery.compensation import Accumulator
 
     accumulator = Accumulator(fit_graph(model), runtime.Options(spinning=False))
-    switches = board_graph.switches(KINDS, 1)
+    switches = switched(1)
     ids = rng.integers(0, 512, (1 + windows, t))
     accumulator.run([0], ids[:1], 0, switches)  # warm
     one = accumulator.run([0], ids[:1], 0, switches)[-1]["accumulate"]
-    return (accumulator.run([0], ids, 0, switches)[3]["accumulate"] - one) / windows
+    return (accumulator.run([0], ids, 0, switches)[-1]["accumulate"] - one) / windows
 
 
 def _trial(model, rng, t: int) -> float:
@@ -271,7 +270,7 @@ def _trial(model, rng, t: int) -> float:
     compensation fix, scored against a reference in batches of trials.BATCH windows, the block switched on."""
     from surgery import evaluate, runtime
     from surgery.analysis import switchboard as board_graph
-    from surgery.compensation import KINDS
+    from surgery.analysis.fit_graph import kinds, switched
     from surgery.data import Windows
     from surgery.facts import embedding_table
     from surgery.passes import Fix
@@ -279,11 +278,11 @@ def _trial(model, rng, t: int) -> float:
 
     d = embedding_table(model)[1]
     fix = Fix(w_a=0.01 * rng.standard_normal((d, d)), w_p=0.01 * rng.standard_normal((d, d)), b=np.zeros(d))
-    scorer = evaluate.Scorer(board_graph.switchboard(model, KINDS, {0: fix}), runtime.Options(), compare=True)
+    scorer = evaluate.Scorer(board_graph.switchboard(model, kinds({0: fix})), runtime.Options(), compare=True)
     windows = Windows(rng.integers(0, 512, (BATCH, t)), np.zeros(BATCH, np.int64), np.zeros(BATCH, np.int64), "random")
     reference: list = []
-    scorer(windows, batch_size=BATCH, extra={board_graph.SWITCHES: board_graph.switches(KINDS, 1)}, record=reference)
-    on = {board_graph.SWITCHES: board_graph.switches(KINDS, 1, {KINDS[0]: {0}, KINDS[1]: {0}})}
+    scorer(windows, batch_size=BATCH, extra={board_graph.SWITCHES: switched(1)}, record=reference)
+    on = {board_graph.SWITCHES: switched(1, {0: "compensated"})}
     return _seconds(lambda: scorer(windows, batch_size=BATCH, extra=on, reference=reference), 3) / BATCH
 
 

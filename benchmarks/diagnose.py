@@ -29,7 +29,7 @@ from surgery.analysis import resumable as resumable_graph
 from surgery.blocks import find_blocks
 from surgery.diagnostics import diagnose
 from surgery.diagnostics.critical import tangent_basis
-from surgery.diagnostics.diagnose import _switch_losses
+from surgery.diagnostics.diagnose import PARALLEL, ablation_kind, switch_losses
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine, tangential, unit
 from surgery.export import resolve_source
 
@@ -120,7 +120,7 @@ def losses_section(folder, windows: int, seq_len: int, rounds: int) -> None:
     model = graph.load(folder)
     blocks = find_blocks(model)
     ev = data.windows(folder, seq_len=seq_len, max_windows=windows, part="evaluation")
-    kinds = [("parallelize",), ("ablate", "mlp", "tangential")]
+    kinds = [PARALLEL, ablation_kind("mlp", "tangential")]
     options = runtime.analysis(runtime.Options())
     ways = {"whole forwards, one two-thread run at a time": (1, True), "prefix reuse, one two-thread run at a time": (1, False),
             "prefix reuse, two one-thread runs at a time (default)": (2, False)}
@@ -131,7 +131,7 @@ def losses_section(folder, windows: int, seq_len: int, rounds: int) -> None:
             patch = mock.patch.object(resumable_graph, "resumable", lambda board, blocks: None) if whole else contextlib.nullcontext()
             with patch, cluster.pool(concurrent=concurrent) as pool:
                 start = time.perf_counter()
-                results[way] = _switch_losses(model, blocks, kinds, ev, options, lambda *_: None, pool=pool)
+                results[way] = switch_losses(model, blocks, kinds, ev, options, lambda *_: None, pool=pool)
                 seconds[way].append(time.perf_counter() - start)
             print(f"{way}: {seconds[way][-1]:.1f} s", file=sys.stderr, flush=True)
     first = results[next(iter(ways))]

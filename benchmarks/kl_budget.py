@@ -1,6 +1,6 @@
 """Blocks kept under a KL budget, and what each kind of fix costs: SmolLM2-135M, --layers auto by method and --max-kl.
 
-    python benchmarks/kl_budget.py [--budgets 0.02,0.05,0.1] [--methods plain,outputs,compensated,refit,drift]
+    python benchmarks/kl_budget.py [--budgets 0.02,0.05,0.1] [--methods plain,outputs,compensated,refit]
                                    [--fit-windows 64] [--windows 16]
                                    [--max-loss-increase none] [--png benchmarks/kl_vs_blocks.png]
 
@@ -8,9 +8,8 @@ Methods: plain (no fix, ranked by C_l^stream), outputs (the fix's output side al
 defect on the unmodified stream, ranked by C_l^comp: `--no-input-fix`), compensated (the default: the mlp's input
 side first, ln2(resid_pre) (I + W_in) + b_in fitted to ln2(resid_mid), then the output side on the input-fixed
 block's defect), refit (--refit: the chosen blocks' fixes fitted again with all of them
-in place), drift (the compensated selection, then each chosen block's fix refitted in layer order on the stream of
-the model whose earlier chosen blocks are already rewritten, aiming at the original model's resid_post: the
-drift-correcting fit of compensation.fit(drift=...), one fit pass per block).
+in place). The drift-correcting refit measured here before (RESULTS) left the library with compensation.fit(drift=...);
+the last commit holding both is 96f094c.
 
 Windows as `surgery parallelize` deals them: 64 fit and 16 selection windows from the calibration part, and the
 first 8 windows of the evaluation part held out; every number in the table is on the held-out windows. The PNG
@@ -23,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import drift_refit, smollm2, table
+from common import smollm2, table
 
 from surgery import compensation, data, evaluate, graph
 from surgery.job import rewrite
@@ -47,9 +46,6 @@ def main() -> None:
     cal = data.windows(folder, seq_len=256, max_windows=args.fit_windows + args.windows, part="calibration")
     fit_windows, sel = data.deal(cal, [args.fit_windows, args.windows], ["fit", "selection"])
     ev = data.windows(folder, seq_len=256, max_windows=8, part="evaluation")
-    stream: dict = {}
-    if "drift" in args.methods:
-        compensation.fit(model, fit_windows, keep_stream=stream)  # the original resid_post, for the drift refit
     budgets = [float(b) for b in args.budgets.split(",")]
     rows, curves = [], {}
     for method in args.methods.split(","):
@@ -58,8 +54,6 @@ def main() -> None:
             s = select_layers(model, sel, fit_windows=fit_windows, fit=FITS[method], refit=method == "refit", input_side=method != "outputs",
                               budget=Budget.parse(budget, args.max_loss_increase), patience=PATIENCE)
             fixes = s.fixes
-            if method == "drift" and fixes:
-                fixes = drift_refit(model, fit_windows, list(s.layers), fixes, stream)
             seconds = time.perf_counter() - start
             base, after = evaluate.compare([model, rewrite(model, s.layers, fixes=fixes).model], ev)
             kl, d = evaluate.divergence(after), evaluate.delta(base, after)
@@ -73,8 +67,6 @@ def main() -> None:
                 for k in range(1, len(order) + 1):
                     prefix = order[:k]
                     sub = {l: f for l, f in fixes.items() if l in prefix}
-                    if method == "drift":
-                        sub = drift_refit(model, fit_windows, prefix, {l: s.fixes[l] for l in prefix if l in s.fixes}, stream)
                     curve.append(evaluate.divergence(evaluate.compare([model, rewrite(model, prefix, fixes=sub).model], ev)[1]).kl)
                 curves[method] = curve
                 print(f"{method} @{budget}: held-out KL of each prefix, in the order kept: {[round(k, 4) for k in curve]}", flush=True)

@@ -8,6 +8,7 @@ import pytest
 from surgery import graph, metadata
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
+from surgery.analysis.fit_graph import kinds, switched
 from surgery.passes import Fix, compensate, fuse, parallelize
 
 torch = pytest.importorskip("torch")
@@ -119,7 +120,6 @@ def test_residual_multipliers_fold_into_the_projections(tiny_export):
     assert np.abs(edited_logits(tiny.torch, IDS, parallel=layers, fixes=arrays) - expected).max() > 1e-3  # b / c matters
     for result in (compensate(model, fixes), fuse(model, layers, fixes)):
         assert_logits_equal(result.model, expected)
-    kinds = [("parallelize",), ("compensate",)]
-    board = board_graph.switchboard(model, kinds, fixes)
-    on = board_graph.switches(kinds, 3, {kinds[0]: layers, kinds[1]: layers})
+    board = board_graph.switchboard(model, kinds(fixes))
+    on = switched(3, {layer: "compensated" for layer in layers})
     assert_logits_equal(board, expected, extra={board_graph.SWITCHES: on})

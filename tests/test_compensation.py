@@ -110,7 +110,7 @@ def test_a_pass_runs_only_its_own_blocks(fixture_path):
     """The pass of block 1 starts from the stream handed on by the pass of block 0 and stops after block 1: it has
     a third of the whole fit graph's MatMuls; its taps equal the whole graph's."""
     from surgery import runtime
-    from surgery.analysis.switchboard import SWITCHES, switches
+    from surgery.analysis.switchboard import SWITCHES
 
     model = graph.load(fixture_path("llama"))
     whole = fit_graph.fit_graph(model)
@@ -120,7 +120,7 @@ def test_a_pass_runs_only_its_own_blocks(fixture_path):
     assert fit_graph.RESUME in {v.name for v in middle.graph.inputs}
     assert (matmuls(whole), matmuls(middle)) == (3 * 12 + 1, 12 + 1)  # a block's 12 (7 projections, 2 attention, the twin mlp's 3), the rotary angles' 1
     ids = data.windows(fixture_path("llama"), seq_len=16, max_windows=1, part="calibration").ids
-    run = lambda m, extra: (s := runtime.session(m)).run(None, runtime.feeds(s, ids, extra={SWITCHES: switches(fit_graph.KINDS, 3), **extra}))  # noqa: E731
+    run = lambda m, extra: (s := runtime.session(m)).run(None, runtime.feeds(s, ids, extra={SWITCHES: fit_graph.switched(3), **extra}))  # noqa: E731
     names = lambda m: [v.name for v in m.graph.outputs]  # noqa: E731
     full = dict(zip(names(whole), run(whole, {})))
     stream = dict(zip(names(first), run(first, {})))[fit_graph.STREAM]

@@ -16,6 +16,7 @@ from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import MODES, ablate, compensate, fuse, parallelize, projection
+from surgery.analysis.fit_graph import kinds, switched
 from surgery.passes import Fix
 from tests.helpers import FAMILIES, FLOAT32, Tol, assert_found_tensors_equal_hooked, assert_logits_equal
 from tests.helpers import logits as ids_logits
@@ -276,10 +277,9 @@ def test_compensated_int4_fold_is_the_numpy_dequantize_fold_requantize(deployed)
     assert_logits_equal(exact(result.model), expected, IDS)
     assert np.abs(logits(exact(parallelize(deployed.onnx, {1}).model)) - expected).max() > 30 * TOL  # the fold matters
     assert [n.op_type for n in result.model.graph].count("MatMulNBits") == [n.op_type for n in deployed.onnx.graph].count("MatMulNBits")
-    kinds = [("parallelize",), ("compensate",)]
-    on = board_graph.switches(kinds, 3, {kinds[0]: {1}, kinds[1]: {1}})
+    on = switched(3, {1: "compensated"})
     for model in (exact(deployed.onnx), deployed.onnx):  # the switch's MatMulNBits computes as the written one
-        board = board_graph.switchboard(model, kinds, {1: Fix(*fix)})
+        board = board_graph.switchboard(model, kinds({1: Fix(*fix)}))
         written = compensate(model, {1: Fix(*fix)}).model
         assert_logits_equal(board, logits(written), IDS, Tol(1e-6, 1e-6), extra={board_graph.SWITCHES: on})
 
@@ -425,7 +425,7 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
         for hook in hooks:
             hook.remove()
     graph_ = compensation.fit_graph(model, layers=[1])
-    sums, *_ = compensation.Accumulator(graph_).run([1], IDS, 0, board_graph.switches(compensation.KINDS, 3))
+    sums, *_ = compensation.Accumulator(graph_).run([1], IDS, 0, switched(3))
     for name, xs in seen.items():
         x = np.concatenate(xs, axis=0).reshape(-1, xs[0].shape[-1])
         expected = x.T @ x

@@ -12,10 +12,9 @@ from surgery.analysis import resumable as resumable_graph
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.diagnostics import diagnose, prefix
-from surgery.diagnostics.diagnose import _switch_losses
+from surgery.diagnostics.diagnose import PARALLEL, ablation_kind, switch_losses
 from surgery.diagnostics.rank import spearman
 from surgery.passes import ablate, compensate, parallelize
-from surgery.passes.ablate import KEEP_SINK
 
 runner = CliRunner()
 
@@ -142,7 +141,7 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
 
 
 def _losses(result: dict, kinds) -> np.ndarray:
-    """Every loss of a _switch_losses result, base + dNLL, interval ends included, in one order."""
+    """Every loss of a switch_losses result, base + dNLL, interval ends included, in one order."""
     dnll = [result[kind][layer] for kind in kinds for layer in result[kind]]
     dnll += [end for kind in kinds for layer in result[kind] for end in result["interval"][kind][layer]]
     return result["base"] + np.array([0.0] + dnll)
@@ -153,16 +152,16 @@ def test_losses_resumed_after_unchanged_blocks_equal_whole_forward_passes(fixtur
     path = fixture_path(family)
     model = graph.load(path)
     blocks = find_blocks(model)
-    kinds = [("parallelize",), ("ablate", "mlp", "radial"), ("ablate", "attn", "remove"), ("ablate", "attn", "tangential", KEEP_SINK)]
+    kinds = [PARALLEL, ablation_kind("mlp", "radial"), ablation_kind("attn", "remove"), ablation_kind("attn", "tangential", keep_sink=True)]
     windows = data.windows(path, seq_len=32, max_windows=2, part="evaluation")
 
     def losses():
-        return _switch_losses(model, blocks, kinds, windows, runtime.Options(), lambda *_: None, all_only={kinds[-1]})
+        return switch_losses(model, blocks, kinds, windows, runtime.Options(), lambda *_: None, all_only={kinds[-1]})
 
     resumed = losses()
     monkeypatch.setattr(resumable_graph, "resumable", lambda board, blocks: None)  # no block skippable: every run a whole forward
     whole = losses()
-    assert set(whole[("ablate", "mlp", "radial")]) == {0, 1, 2, "all"}  # the first and the last block's edits among them
+    assert set(whole[ablation_kind("mlp", "radial")]) == {0, 1, 2, "all"}  # the first and the last block's edits among them
     np.testing.assert_allclose(_losses(resumed, kinds), _losses(whole, kinds), rtol=1e-6)
 
 

@@ -7,7 +7,7 @@ fit: one window's, and each layer's normal equations).
 
 Structure: `diagnose` opens the worker pool and `_diagnose` runs the steps in order, timing each:
 `_scores` (the probe's one pass: `_deficit`, `_diversity`, C_l / C_l^stream and alpha, then `_critical` from
-its seeds), the compensation fit, `_prefix`, and `_losses` (the switchboard's runs, `_switch_losses`); then
+its seeds), the compensation fit, `_prefix`, and `_losses` (the switchboard's runs, `switch_losses`); then
 `_defect` and `_ablation` turn the runs into their sections and a `Diagnosis` holds them all (`to_json()`:
 report.json). `ProbeWindows` and `LossWindows` are the per-window sessions, here or on Ray actors.
 """
@@ -47,12 +47,12 @@ SINGLE = ("parallelize", "compensate")  # the passes whose kinds run one layer a
 WITH = {"compensate": (PARALLEL,)}  # a pass whose kinds need others on at the same layers: a compensated block is parallel
 
 
-def _compensated(fixes: dict) -> Switch:
+def compensated_kind(fixes: dict) -> Switch:
     """The switchboard kind of the single-layer compensated runs (with PARALLEL on at the same layer)."""
     return Switch("compensate", Compensation(fixes))
 
 
-def _edit(branch: str, mode: str, keep_sink: bool = False) -> Switch:
+def ablation_kind(branch: str, mode: str, keep_sink: bool = False) -> Switch:
     """The switchboard kind of an ablation: the ablate pass on `branch` in `mode`."""
     return Switch("ablate", Ablation(branch, mode, keep_sink=keep_sink))
 
@@ -201,13 +201,13 @@ def _prefix(model, cal: data.Windows, seq_len: int, options, rng: np.random.Gene
 
 
 def _losses(model, blocks, ev: data.Windows, only, fits: dict, options, tell, pool: cluster.Pool) -> dict:
-    """The loss runs on the evaluation windows (_switch_losses): each block alone parallel and compensated (for
+    """The loss runs on the evaluation windows (switch_losses): each block alone parallel and compensated (for
     defect), each ablation per layer and at all layers, and the sink-keeping ablations at all layers (for ablation)."""
-    sink_kinds = [_edit(b, m, keep_sink=True) for b in BRANCHES for m in SINK_MODES] if "ablation" in only else []
-    kinds = ([PARALLEL, _compensated(_fixes(fits))] if "defect" in only else []) + (
-        [_edit(b, m) for b in BRANCHES for m in ABLATION_MODES] if "ablation" in only else []
+    sink_kinds = [ablation_kind(b, m, keep_sink=True) for b in BRANCHES for m in SINK_MODES] if "ablation" in only else []
+    kinds = ([PARALLEL, compensated_kind(_fixes(fits))] if "defect" in only else []) + (
+        [ablation_kind(b, m) for b in BRANCHES for m in ABLATION_MODES] if "ablation" in only else []
     ) + sink_kinds
-    return _switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=_fixes(fits))
+    return switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=_fixes(fits))
 
 
 def _fixes(fits: dict) -> dict:
@@ -222,7 +222,7 @@ def _defect(scores: dict, fits: dict, losses: dict, n: int) -> dict:
     d = dict(scores)
     d["c_comp"] = [fits[l].c_comp if l in fixes else None for l in range(n)]
     d["c_comp_note"] = {str(l): f.note or "no fix" for l, f in sorted(fits.items()) if l not in fixes}
-    for name, kind in (("parallel", PARALLEL), ("compensated", _compensated(fixes))):
+    for name, kind in (("parallel", PARALLEL), ("compensated", compensated_kind(fixes))):
         d.update({
             f"dnll_{name}": [losses[kind][l] for l in range(n)],
             f"dnll_{name}_interval": [losses["interval"][kind][l] for l in range(n)],
@@ -246,7 +246,7 @@ def _ablation(losses: dict, n: int) -> dict:
     def table(source, modes=ABLATION_MODES, keep_sink: bool = False, per_layer: bool = False) -> dict:
         """{branch: {mode: value at all layers, or the list over layers}} of one measure."""
         pick = (lambda runs: [runs[l] for l in range(n)]) if per_layer else (lambda runs: runs["all"])
-        return {b: {m: pick(source[_edit(b, m, keep_sink)]) for m in modes} for b in BRANCHES}
+        return {b: {m: pick(source[ablation_kind(b, m, keep_sink)]) for m in modes} for b in BRANCHES}
 
     return {
         "base_loss": losses["base"],
@@ -375,7 +375,7 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
     return {"seeds": n_seeds, "layers": layers}
 
 
-def _switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset(), pool: cluster.Pool = cluster.Pool(),
+def switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset(), pool: cluster.Pool = cluster.Pool(),
                    fixes: dict | None = None) -> dict:
     """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits;
     kinds in all_only at all layers only, kinds in SINGLE at each layer only): dNLL per kind and layer, and under
