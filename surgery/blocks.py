@@ -109,8 +109,16 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
             f"found no transformer blocks in {where}: {len(norms)} normalisation input(s) "
             f"but no residual Add around them (ops: {_op_summary(graph)}); export a decoder LM with `surgery export`"
         )
-    stream = {v for pre, post, _ in steps for v in (pre, post)}
+    blocks = _read_blocks(steps, norms, where)
+    _check_ops(model, blocks, where)
+    return blocks
 
+
+def _read_blocks(steps: list[tuple[ir.Value, ir.Value, list[ir.Value]]], norms: dict[ir.Value, list[str]], where: str) -> list[BlockMap]:
+    """The blocks of the residual stream's steps (prev stream value, next, branch outputs), in order: attention then
+    mlp in consecutive steps is a sequential block, both in one step a parallel one, and one branch that
+    `surgery parallelize --fuse` wrote a fused block."""
+    stream = {v for pre, post, _ in steps for v in (pre, post)}
     blocks: list[BlockMap] = []
     i = 0
     while i < len(steps):
@@ -144,6 +152,11 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
             f"cannot read block {len(blocks)} of {where}: the residual add at {post.name!r} "
             f"adds {found} to {pre.name!r}; expected attention then mlp (sequential) or both at once (parallel)"
         )
+    return blocks
+
+
+def _check_ops(model: ir.Model, blocks: list[BlockMap], where: str) -> None:
+    """Refuse a block whose branches hold an op the op table does not describe: it could hide a residual add."""
     values = values_by_name(model)
     for block in blocks:
         for branch in ("attn", "mlp"):
@@ -153,7 +166,6 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
                     f"block {block.layer} of {where} holds {', '.join(unknown)} in its {branch} branch, an op surgery's op "
                     "table (surgery/ops.py) does not describe; it could hide a residual add, so nothing is rewritten"
                 )
-    return blocks
 
 
 def branch_nodes(model: ir.Model, block: BlockMap, branch: Branch, values: dict[str, ir.Value] | None = None) -> set[ir.Node]:

@@ -76,6 +76,13 @@ def counts(fn) -> dict[str, tuple[str, int]]:
 SOURCE, GRAPH, REWRITE, MEASURE, BUDGET, FIT = "Source", "Graph", "What to rewrite", "What to measure", "Budget (--layers auto)", "Fit"
 DATA, RUNTIME, LATENCY, CLUSTER, OUTPUT = "Data", "Runtime", "Latency", "Ray cluster", "Output"
 
+# Options several commands take alike, declared once.
+Corpus = Annotated[Optional[str], typer.Option("--data", help="Corpus: a .txt or .jsonl (`text` field) file; the built-in pydoc topics when unset.", rich_help_panel=DATA)]
+SeqLen = Annotated[int, typer.Option(help="Tokens per window.", rich_help_panel=DATA)]
+Device = Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.", rich_help_panel=RUNTIME)]
+Tokenizer = Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)]
+Threads = Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)]
+
 
 def _command(example: str, *, runs_ort: bool = False):
     """Register a command, `example` (a real invocation) under its help, whose failures a user can cause are one line,
@@ -238,13 +245,13 @@ def parallelize(
     requantize: Annotated[str, typer.Option(help="Int4 / int8 (MatMulNBits) weights a fix is folded into: `gptq` chooses their codes error-aware on the fit's input statistics, `nearest` rounds them; both keep the node's scales.", rich_help_panel=FIT)] = "gptq",
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.", rich_help_panel=FIT), AtLeast(1)] = 64,
     fit_memory: Annotated[str, typer.Option(help="Bytes one fit pass's normal equations may take (512M, 4G, ...); `auto`: a quarter of the available memory. Fewer bytes, more passes over the fit windows.", rich_help_panel=FIT)] = "auto",
-    data: Annotated[Optional[str], typer.Option(help="Corpus for fits and selection: .txt or .jsonl; built-in pydoc topics when unset.", rich_help_panel=DATA)] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.", rich_help_panel=DATA)] = 256,
+    data: Corpus = None,
+    seq_len: SeqLen = 256,
     windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).", rich_help_panel=DATA), AtLeast(1)] = 16,
     eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.", rich_help_panel=DATA), AtLeast(1)] = 8,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)] = None,
+    tokenizer: Tokenizer = None,
     device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`; with --workers / --ray, where the actors run (cuda: one GPU each).", rich_help_panel=RUNTIME)] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)] = None,
+    threads: Threads = None,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="auto: measure original vs rewritten latency.", rich_help_panel=LATENCY)] = True,
     repeats: Annotated[int, typer.Option(help="auto: interleaved latency repeats.", rich_help_panel=LATENCY), AtLeast(1)] = 20,
     workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
@@ -373,14 +380,14 @@ def _print_changes(result, written: Path, as_json: bool) -> None:
 @_command("surgery evaluate out/smollm2 out/smollm2-parallel --max-windows 32", runs_ort=True)
 def evaluate(
     models: Annotated[list[Path], typer.Argument(help="ONNX files or folders; the first is the baseline for dNLL and ratios.")],
-    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl (`text` field) file; the built-in pydoc topics when unset.", rich_help_panel=DATA)] = None,
+    data: Corpus = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per window (BOS included) and per latency prefill.", rich_help_panel=DATA)] = 256,
     stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts; seq-len when unset.", rich_help_panel=DATA), AtLeast(1)] = None,
     max_windows: Annotated[str, typer.Option(help="Score at most this many windows, evenly spaced over the part; `all`: every one.", rich_help_panel=DATA)] = "16",
     part: Annotated[str, typer.Option(help="Corpus part: `evaluation` (default), `calibration` or `all`.", rich_help_panel=DATA)] = "evaluation",
     tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the first model.", rich_help_panel=DATA)] = None,
-    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.", rich_help_panel=RUNTIME)] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)] = None,
+    device: Device = "auto",
+    threads: Threads = None,
     batch_size: Annotated[int, typer.Option(help="Windows per forward pass when scoring.", rich_help_panel=RUNTIME), AtLeast(1)] = 1,
     latency: Annotated[bool, typer.Option("--latency/--no-latency", help="Also time prefill and decode.", rich_help_panel=LATENCY)] = True,
     latency_batch: Annotated[int, typer.Option(help="Sequences per latency run.", rich_help_panel=LATENCY), AtLeast(1)] = 1,
@@ -433,13 +440,13 @@ def diagnose(
     model: Annotated[Path, typer.Argument(help="ONNX file or folder from `surgery export`.")],
     only: Annotated[str, typer.Option(help="Comma-separated subset of deficit,diversity,defect,gate,critical,prefix,ablation.", rich_help_panel=MEASURE)] = "all",
     critical_seeds: Annotated[int, typer.Option(help="Data seeds per layer for the critical-point search.", rich_help_panel=MEASURE), AtLeast(1)] = 4,
-    data: Annotated[Optional[str], typer.Option(help="Corpus: a .txt or .jsonl file; the built-in pydoc topics when unset.", rich_help_panel=DATA)] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.", rich_help_panel=DATA)] = 256,
+    data: Corpus = None,
+    seq_len: SeqLen = 256,
     windows: Annotated[int, typer.Option(help="Calibration windows for the scores and the fix behind C_comp (which needs 2 or more).", rich_help_panel=DATA), AtLeast(1)] = 4,
     eval_windows: Annotated[int, typer.Option(help="Evaluation windows for the losses (dNLL, ablations).", rich_help_panel=DATA), AtLeast(1)] = 4,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)] = None,
-    device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.", rich_help_panel=RUNTIME)] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)] = None,
+    tokenizer: Tokenizer = None,
+    device: Device = "auto",
+    threads: Threads = None,
     workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Score the windows on the Ray cluster at ADDRESS (one actor per CPU).", rich_help_panel=CLUSTER)] = None,
     report_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md, report.html and PNG plots.", rich_help_panel=OUTPUT)] = ...,
@@ -462,17 +469,8 @@ def diagnose(
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("summary")
     table.add_column("value")
-    summary = report.summary(result)
-    intervals = summary.pop("ablation_all_layers_interval", {})
-    for key, value in summary.items():
-        if key == "ablation_all_layers":  # each dNLL with its 95 % paired bootstrap interval
-            value = "; ".join(f"{branch} " + ", ".join(f"{mode} {report.with_interval(x, intervals.get(branch, {}).get(mode))}" for mode, x in modes.items())
-                              for branch, modes in value.items())
-        elif isinstance(value, dict):
-            value = ", ".join(f"{k} {v if not isinstance(v, dict) else {m: round(x, 4) for m, x in v.items()}}" for k, v in value.items())
-        elif isinstance(value, float):
-            value = f"{value:.4f}"
-        table.add_row(key, escape(str(value)))
+    for key, value in report.summary_rows(result):
+        table.add_row(key, escape(value))
     out.print(table)
     out.print(f"report -> {folder / 'report.html'}", highlight=False)
 

@@ -51,7 +51,7 @@ import onnx_ir as ir
 
 from surgery import cluster, runtime
 from surgery.analysis import switchboard as board_graph
-from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, fit_graph, fit_tap, switched
+from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, Stage, fit_graph, fit_tap, switched
 from surgery.blocks import BlockMap
 from surgery.data import Windows, spread
 from surgery.equations import RIDGES, FitResult, InputEquations, NormalEquations
@@ -86,7 +86,7 @@ class Accumulator:
         switches: np.ndarray,
         streams: list[np.ndarray] | None = None,
         progress: Callable[[], None] | None = None,
-        stage: str = "outputs",
+        stage: Stage = "outputs",
     ) -> tuple[Sums, list[np.ndarray], dict[str, float]]:
         """The sums of `chunk`'s layers over the windows `ids` (row j is window first + j: fold (first + j) % 2); the
         stream the graph hands on, per window; the seconds of forward and accumulate. streams: per window, the stream
@@ -219,7 +219,7 @@ class _Runner:
         if self.progress:
             self.progress(self.done, self.total)
 
-    def run(self, graph: ir.Model, chunk: list[int], streams: list[np.ndarray] | None, stage: str, rows: np.ndarray
+    def run(self, graph: ir.Model, chunk: list[int], streams: list[np.ndarray] | None, stage: Stage, rows: np.ndarray
             ) -> tuple[Sums, list[np.ndarray]]:
         """One pass of `graph` over the windows `rows` (indices, in order): the chunk's sums, added in window order,
         and the streams handed on. Row j of `rows` is in fold j % 2."""

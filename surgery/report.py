@@ -288,6 +288,23 @@ def interval(bounds) -> str:
     return f"[{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
 
 
+def summary_rows(diagnosis: Diagnosis) -> list[tuple[str, str]]:
+    """The summary as (key, text) rows for a table: each ablation dNLL with its 95 % paired bootstrap interval."""
+    summary = _summary(diagnosis.to_json())
+    intervals = summary.pop("ablation_all_layers_interval", {})
+    rows = []
+    for key, value in summary.items():
+        if key == "ablation_all_layers":
+            value = "; ".join(f"{branch} " + ", ".join(f"{mode} {with_interval(x, intervals.get(branch, {}).get(mode))}" for mode, x in modes.items())
+                              for branch, modes in value.items())
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k} {v if not isinstance(v, dict) else {m: round(x, 4) for m, x in v.items()}}" for k, v in value.items())
+        elif isinstance(value, float):
+            value = f"{value:.4f}"
+        rows.append((key, str(value)))
+    return rows
+
+
 def with_interval(value, bounds) -> str:
     """A dNLL beside its interval: "+0.0123 [+0.0051, +0.0213]" (the value alone without one)."""
     if value is None or bounds is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import onnx_ir as ir
@@ -33,7 +33,8 @@ PARALLEL = Switch(metadata.PARALLELIZE)
 FIT_TAPS = ("attn_out", "mlp_x", "delta", "resid_post")  # what the fit graph outputs per sequential block
 INPUT_TAPS = ("o_in", "down_in")  # ... and, where W_o and W_down are MatMulNBits, their inputs (the parallel block's)
 MLP_IN_TAPS = ("mlp_u", "mlp_v")  # ... and in the input side's pass: ln2(resid_pre) and ln2(resid_mid) as the mlp reads them
-STAGES = ("inputs", "outputs")  # a fit graph's taps: the input side's (MLP_IN_TAPS) or the output side's (the rest)
+Stage = Literal["inputs", "outputs"]  # a fit graph's taps: the input side's (MLP_IN_TAPS) or the output side's (the rest)
+STAGES: tuple[Stage, ...] = get_args(Stage)
 RESUME, STREAM = "surgery/fit/resid_pre", "surgery/fit/stream"  # a pass's stream into its first block, from the pass before
 
 
@@ -58,7 +59,7 @@ def fit_tap(layer: int, what: str) -> str:
 
 
 def fit_graph(model: "ir.Model | Subject", fixes: dict[int, Fix] | None = None, layers: Collection[int] | None = None,
-              resume: int | None = None, hand_on: int | None = None, inputs: bool = True, stage: str = "outputs",
+              resume: int | None = None, hand_on: int | None = None, inputs: bool = True, stage: Stage = "outputs",
               input_sides: dict[int, Fix] | None = None) -> ir.Model:
     """The switchboard of `kinds` reduced to the fit taps of the sequential blocks in `layers` (all when None; no logits,
     no KV cache): attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_post, whatever the

@@ -138,13 +138,10 @@ def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None
     """Why `block` cannot be compensated (fused, or parallel as exported), or None."""
     if block.fused:
         return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
-    if (why := projection.unreadable(model, block, "compensate")) is not None:
+    why = projection.folding_refusal(model, block, "compensate", "a fix of attn_out and mlp_out cannot be folded into W_o and W_down; "
+                                     "parallelize it plain with --no-compensate")
+    if why is not None:
         return why
-    if block.post_norm:
-        return (
-            f"cannot compensate block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so a fix "
-            "of attn_out and mlp_out cannot be folded into W_o and W_down; parallelize it plain with --no-compensate"
-        )
     if block.is_parallel and not any(metadata.made_by(n) == metadata.PARALLELIZE for n in branch_nodes(model, block, "mlp", values)):
         return (
             f"cannot compensate block {block.layer}: it is parallel in the model as exported, so it has no "

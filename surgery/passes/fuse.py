@@ -86,13 +86,10 @@ def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None
     """Why `block` cannot be fused, or None; read from the graph before any work (no weight is loaded)."""
     if block.fused:
         return None  # fuse says it is already fused
-    if (why := projection.unreadable(model, block, "fuse")) is not None:
+    why = projection.folding_refusal(model, block, "fuse", "attn_out and mlp_out cannot come from one [o ; down] MatMul; "
+                                     "parallelize it without --fuse")
+    if why is not None:
         return why
-    if block.post_norm:
-        return (
-            f"cannot fuse block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so attn_out "
-            "and mlp_out cannot come from one [o ; down] MatMul; parallelize it without --fuse"
-        )
     values = values if values is not None else values_by_name(model)
     try:
         ln1, ln2 = block_norms(model, block, values)

@@ -228,3 +228,13 @@ def unreadable(model: ir.Model, block: BlockMap, why: str) -> str | None:
             if node.op_type == nbits.OP and (reason := nbits.refusal(node)) is not None:
                 return f"cannot {why} block {block.layer}: its projection {node.name!r} is MatMulNBits, and {reason}"
     return None
+
+
+def folding_refusal(model: ir.Model, block: BlockMap, verb: str, so: str) -> str | None:
+    """Why a pass that folds into a block's projections (`verb`: compensate, fuse) refuses it, or None: its quantized
+    weights cannot be read as arrays, or it normalises its branch outputs (`so`: what that rules out, and what to do)."""
+    if (why := unreadable(model, block, verb)) is not None:
+        return why
+    if block.post_norm:
+        return f"cannot {verb} block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so {so}"
+    return None
