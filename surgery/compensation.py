@@ -9,7 +9,7 @@ z = [A, P, 1] (the least squares: surgery.equations).
 
 The output side alone keeps the paper's mlp, evaluated where the parallel block can evaluate it; the input side
 moves it most of the way back to where the sequential block evaluated it (on SmolLM2-135M's blocks 5-7 and 21-29
-the linear prediction leaves 15-66 % of |v - u|^2 held out: benchmarks/input_side.py), and the output side fixes
+the linear prediction leaves 15-66 % of |v - u|^2 held out: benchmarks/RESULTS.md, "The fix's input side"), and the output side fixes
 what is left.
 
 The normal equations are accumulated in one streamed pass of the fit graph (surgery.analysis.fit_graph: the
