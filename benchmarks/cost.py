@@ -63,7 +63,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import ROOT, table
 
 sys.path.insert(0, str(ROOT))

@@ -24,7 +24,7 @@ import time
 
 from common import smollm2, table
 
-from surgery import compensation, data, evaluate, graph
+from surgery import data, evaluate, graph
 from surgery.job import rewrite
 from surgery.layers import format_layers
 from surgery.select import PATIENCE, Budget, select_layers

@@ -57,9 +57,9 @@ from surgery.data import Windows, spread
 from surgery.equations import RIDGES, FitResult, InputEquations, NormalEquations
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
-from surgery.subject import Subject
 from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
+from surgery.subject import Subject
 
 MEMORY_BYTES = 2 << 30  # the normal equations' bound when the available memory cannot be read (--fit-memory auto: a quarter of it)
 MEMORY_SHARE = 0.25

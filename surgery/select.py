@@ -32,8 +32,8 @@ from surgery import cluster, compensation, evaluate, runtime
 from surgery.analysis.fit_graph import Form
 from surgery.analysis.probe import defect_scores
 from surgery.blocks import BlockMap
-from surgery.equations import FitResult
 from surgery.data import Windows
+from surgery.equations import FitResult
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix

@@ -82,9 +82,9 @@ def test_diagnose_on_ray_from_the_cli_prints_no_ray_notices(fixture_path, tmp_pa
 @pytest.mark.slow
 def test_auto_selection_on_ray_actors_equals_the_in_process_run(fixture_path, tmp_path):
     pytest.importorskip("ray")
-    from surgery import job, select, trials
-
     from threadpoolctl import threadpool_limits
+
+    from surgery import job, select, trials
 
     kwargs = dict(seq_len=32, fit_windows=4, windows=8, eval_windows=2, measure_latency=False, budget=select.Budget(None, 1.0))
     with threadpool_limits(1), pytest.MonkeyPatch.context() as patch:  # one BLAS thread, as each actor has: the fit's float32 products then sum in the same order

@@ -6,9 +6,9 @@ import onnx_ir as ir
 import pytest
 
 from surgery import graph, metadata
+from surgery.analysis.fit_graph import kinds, switched
 from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
-from surgery.analysis.fit_graph import kinds, switched
 from surgery.passes import Fix, compensate, fuse, parallelize
 
 torch = pytest.importorskip("torch")

@@ -11,13 +11,12 @@ from typer.testing import CliRunner
 
 from surgery import canonical, graph, metadata, nodes, ops, runtime
 from surgery.analysis import probe as probe_graph
+from surgery.analysis.fit_graph import kinds, switched
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
-from surgery.passes import MODES, ablate, compensate, fuse, parallelize, projection
-from surgery.analysis.fit_graph import kinds, switched
-from surgery.passes import Fix
+from surgery.passes import MODES, Fix, ablate, compensate, fuse, parallelize, projection
 from tests.helpers import FAMILIES, FLOAT32, Tol, assert_found_tensors_equal_hooked, assert_logits_equal
 from tests.helpers import logits as ids_logits
 
@@ -408,7 +407,6 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     with the dequantized weights, block 1 parallel, hooks on o_proj and down_proj; token 0 left out), and each fix
     carries the GPTQ codes of W_o (I + w_a) and W_down (I + w_p) on those moments; `nearest` leaves them to the fold."""
     from surgery import compensation, data
-    from surgery.analysis import switchboard as board_graph
     from tests.reference import Edits
 
     torch = pytest.importorskip("torch")

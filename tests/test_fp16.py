@@ -20,8 +20,7 @@ from surgery import evaluate, facts, graph, job, runtime
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.export import export
-from surgery.passes import ablate, compensate, fuse, parallelize
-from surgery.passes import Fix
+from surgery.passes import Fix, ablate, compensate, fuse, parallelize
 
 torch = pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery import graph, metadata, runtime
-from surgery.analysis.switchboard import SWITCHES, Switch, switches, switchboard
+from surgery.analysis.switchboard import SWITCHES, Switch, switchboard, switches
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.nodes import Emitter

@@ -157,8 +157,7 @@ def test_bad_pass_options_are_one_clear_error(fixture_path):
 
 
 def test_normalised_branch_outputs_are_found_and_refuse_folding(tiny):
-    from surgery.passes import compensate, fuse
-    from surgery.passes import Fix
+    from surgery.passes import Fix, compensate, fuse
 
     blocks = find_blocks(tiny.onnx)
     normalised = FAMILIES[tiny.torch.config.model_type].post_norm

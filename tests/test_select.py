@@ -9,8 +9,8 @@ from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.passes import Fix, ablate, fuse, parallelize
 from surgery.job import rewrite
+from surgery.passes import Fix, ablate, fuse, parallelize
 from surgery.select import Budget, _forms, select_layers
 
 runner = CliRunner()

@@ -25,12 +25,12 @@ import numpy as np
 
 from surgery import __version__, cluster, compensation, data, evaluate, graph, runtime
 from surgery.analysis import field, probe, resumable, switchboard
+from surgery.analysis.switchboard import Switch
 from surgery.defect import DefectStats
 from surgery.diagnostics import critical as crit
 from surgery.diagnostics import prefix, stats
 from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
-from surgery.analysis.switchboard import Switch
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Ablation, Compensation

@@ -21,6 +21,7 @@ from surgery.blocks import BlockMap, Branch
 from surgery.errors import SurgeryError
 from surgery.nodes import Emitter
 from surgery.passes.common import Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
+from surgery.passes.driver import rewrite
 
 NAME = "ablate"
 Mode = Literal["tangential", "radial", "remove", "scale"]
@@ -99,8 +100,6 @@ def ablate(model, branch: Branch, mode: Mode, layers: Collection[int], scale: fl
 
     keep_sink: tokens at position 0 (the attention sink) keep the whole branch output.
     """
-    from surgery.passes.driver import rewrite
-
     return rewrite(model, ABLATE, layers, Ablation(branch, mode, scale, keep_sink))
 
 

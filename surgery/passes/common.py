@@ -29,7 +29,6 @@ from surgery.facts import stream_dtype
 from surgery.layers import checked
 
 if TYPE_CHECKING:
-    from surgery.analysis.switchboard import Board
     from surgery.subject import Subject
 
 

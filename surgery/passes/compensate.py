@@ -31,7 +31,9 @@ from surgery.metadata import tag
 from surgery.nodes import Emitter, values_by_name
 from surgery.passes import projection
 from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
+from surgery.passes.driver import rewrite
 from surgery.passes.fix import Fix
+from surgery.subject import Subject
 
 NAME = "compensate"
 
@@ -99,9 +101,6 @@ COMPENSATE = register(Compensate())
 
 def compensate(model, fixes: Mapping[int, Fix]) -> SurgeryResult:
     """Make each block in `fixes` (by layer; negative ones count from the end) a compensated parallel block."""
-    from surgery.passes.driver import rewrite
-    from surgery.subject import Subject
-
     subject = Subject.of(model)
     fixes = {checked(layer, subject.n_layers): fix for layer, fix in fixes.items()}
     return rewrite(subject, COMPENSATE, fixes, Compensation(fixes))

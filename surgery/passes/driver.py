@@ -3,7 +3,8 @@
 It clones the model (weights are shared, not copied), checks the layers and every refusal before any work, and for
 each chosen block in order applies the passes the pass names in `before` and then the pass itself: a block that has
 a rewrite already is reported and left alone (Pass.done), each new node is tagged with the pass and its block, and
-the blocks are found again after a pass that moves them. Each pass that changed a block appends to the model's
+the blocks are found again after each block of a pass that moves other blocks (fuse), and once more, lazily, by the
+next pass that reads the result's subject. Each pass that changed a block appends to the model's
 history. Passes compose through it: compensate and fuse parallelize first; the main job chains fuse after
 compensate by handing the first result's subject to the second.
 """
@@ -44,6 +45,7 @@ def rewrite(model: "ir.Model | Subject", p: Pass | str, layers: Collection[int],
         done = tuple(c.layer for c in changes[q.name] if c.applied)
         if done:
             record(subject.model, q.name, done, q.options(q_args, done))
+            subject.changed(blocks=True)  # a rewritten block's map (its outputs, its fix) is found again when next asked for
     return SurgeryResult(subject.model, tuple(changes[p.name]), subject)
 
 

@@ -28,6 +28,7 @@ from surgery.metadata import tag
 from surgery.nodes import Emitter, values_by_name
 from surgery.passes import projection
 from surgery.passes.common import Change, Pass, SurgeryResult, narrower_than_float32, node_name, register
+from surgery.passes.driver import rewrite
 from surgery.passes.fix import Fix
 
 NAME = metadata.FUSE  # find_blocks tells a fused block by it
@@ -77,8 +78,6 @@ FUSE = register(Fuse())
 
 def fuse(model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None) -> SurgeryResult:
     """Rewrite each selected block into the fused parallel form (Fuse); `fixes`: see Fusion."""
-    from surgery.passes.driver import rewrite
-
     return rewrite(model, FUSE, layers, Fusion(dict(fixes or {})))
 
 

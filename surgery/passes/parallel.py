@@ -12,6 +12,7 @@ from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
 from surgery.metadata import tag
 from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
+from surgery.passes.driver import rewrite
 
 NAME = metadata.PARALLELIZE  # saving splits the sums of the blocks it rewired
 
@@ -49,8 +50,6 @@ PARALLELIZE = register(Parallelize())
 
 def parallelize(model, layers: Collection[int]) -> SurgeryResult:
     """Make each selected sequential block parallel (Parallelize): resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""
-    from surgery.passes.driver import rewrite
-
     return rewrite(model, PARALLELIZE, layers)
 
 
