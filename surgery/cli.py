@@ -28,6 +28,7 @@ app = typer.Typer(help="Find, rewrite and measure the transformer blocks of expo
 # Piped output is not wrapped, so tensor names stay whole for grep; a terminal folds long names.
 out = Console(width=None if sys.stdout.isatty() else 10_000)
 err = Console(stderr=True)
+_pm = lambda stats, label: f"{stats[label]:.3f} ± {stats[label + ' uncertainty']:.3f} %"  # llama.cpp's `x ± u %`
 
 
 _QUIET_ENV = {  # what the libraries we call read to stay quiet; set before they are imported
@@ -334,6 +335,8 @@ def _selection_lines(outcome, written: Path, budget, repeats: int) -> list[tuple
     lines += [
         ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
                        f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}; 95 % intervals, nats)"),
+        *([("llama.cpp", (f"Same top p {_pm(lc, 'Same top p')}, 99.9% KLD {lc['99.9% KLD']:.4f}, RMS Δp {_pm(lc, 'RMS Δp')} "
+                          "(evaluation windows; selection.json has all of `perplexity --kl-divergence`'s)"))] if (lc := outcome.divergence_eval.to_json().get("llama_cpp")) else []),
         ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times"
                               f"{f' on {outcome.estimate_placement}' if outcome.estimate_placement else ''})"),
     ]
@@ -409,7 +412,7 @@ def evaluate(
         print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
         return
     table = Table(show_edge=False, pad_edge=False, title=f"{windows.name}: {len(windows)} windows x {seq_len} tokens, {windows.tokens} scored", title_justify="left")
-    for column in ("model", "loss", "ppl", "dNLL", "95 % CI", "KL", "95 % CI ", "KL p99", "top-1"):
+    for column in ("model", "loss", "ppl", "dNLL", "95 % CI", "KL", "95 % CI ", "KL p99", "top-1", "Same top p", "99.9% KLD", "RMS Δp"):
         table.add_column(column, justify="left" if column == "model" else "right")
     if latency:
         table.add_column("provider")  # where ORT ran the nodes: CUDA, or CUDA (CPU: the ops it left on the host)
@@ -420,10 +423,11 @@ def evaluate(
         cells = [row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}",
                  "-" if low_high is None else escape(report.interval(low_high))]
         if row["kl"] is None:
-            cells += ["-"] * 4
+            cells += ["-"] * 7
         else:
-            cells += [f"{row['kl']:.4f}", escape(f"[{row['kl_interval'][0]:.4f}, {row['kl_interval'][1]:.4f}]"),
-                      f"{row['kl_p99']:.4f}", f"{100 * row['top1_agreement']:.1f} %"]
+            cells += [f"{row['kl']:.4f}", escape(f"[{row['kl_interval'][0]:.4f}, {row['kl_interval'][1]:.4f}]"), f"{row['kl_p99']:.4f}",
+                      f"{100 * row['top1_agreement']:.1f} %", *([_pm(lc, "Same top p"), f"{lc['99.9% KLD']:.4f}", _pm(lc, "RMS Δp")]
+                                                                 if (lc := row["llama_cpp"]) else ["-"] * 3)]
         if latency:
             cells += [escape(row["placement"]), f"{row['prefill_ms']:.2f}", "-" if row["decode_ms"] is None else f"{row['decode_ms']:.2f}",
                       f"{row['prefill_ratio']:.3f}", "-" if row["decode_ratio"] is None else f"{row['decode_ratio']:.3f}"]
@@ -432,7 +436,8 @@ def evaluate(
     if latency:
         out.print(f"x = first model's median time / this model's ({repeats} interleaved repeats, batch {latency_batch}); > 1 is faster", highlight=False)
     if len(rows) > 1:
-        out.print("KL = mean token KL(first || this), nats; top-1 = positions whose most likely next token agrees with the first's", highlight=False)
+        out.print("KL = mean token KL(first || this), nats; top-1 = positions whose most likely next token agrees with the first's; "
+                  "Same top p, 99.9% KLD, RMS Δp: llama.cpp's `perplexity --kl-divergence` (--json: all of its statistics)", highlight=False)
 
 
 @_command("surgery diagnose out/smollm2 -o out/smollm2-report --only defect,gate", runs_ort=True)

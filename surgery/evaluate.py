@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import config, graph, runtime
+from surgery import config, graph, quality, runtime
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 from surgery.report import with_interval
@@ -46,6 +46,7 @@ class Perplexity:
     window_kl: tuple[float, ...] = ()
     window_top1: tuple[int, ...] = ()
     token_kl: tuple[float, ...] = dataclasses.field(default=(), repr=False)
+    token_nll: tuple[float, ...] = dataclasses.field(default=(), repr=False)  # every scored position's NLL_t, in token_kl's order
 
     def summary(self) -> dict:
         """The numbers without the per-window and per-token tuples."""
@@ -60,7 +61,7 @@ def joined(parts: Sequence[Perplexity]) -> Perplexity:
     concat = lambda field: tuple(x for p in parts for x in getattr(p, field))  # noqa: E731
     return Perplexity(
         loss, math.exp(loss), sum(counts), sum(p.windows for p in parts), sum(p.seconds for p in parts), tuple(sums), tuple(counts),
-        concat("window_kl"), concat("window_top1"), concat("token_kl"),
+        concat("window_kl"), concat("window_top1"), concat("token_kl"), concat("token_nll"),
     )
 
 
@@ -99,21 +100,25 @@ class Divergence:
     high: float
     p99: float
     top1: float  # fraction of scored positions
+    llama_cpp: quality.Quality | None = None  # llama.cpp's statistics, when scored with the first model's per-token NLL
 
     def __str__(self) -> str:
         return f"{self.kl:.4f} [{self.low:.4f}, {self.high:.4f}]"
 
     def to_json(self) -> dict:
-        return {"kl": self.kl, "kl_interval": [self.low, self.high], "kl_p99": self.p99, "top1_agreement": self.top1}
+        out = {"kl": self.kl, "kl_interval": [self.low, self.high], "kl_p99": self.p99, "top1_agreement": self.top1}
+        return out | ({"llama_cpp": self.llama_cpp.to_json()} if self.llama_cpp else {})
 
 
-def divergence(score: Perplexity, *, resamples: int = 2000, seed: int = 0) -> Divergence:
-    """The Divergence of a model scored against a Reference (Scorer with compare=True)."""
+def divergence(score: Perplexity, base: Perplexity | None = None, *, resamples: int = 2000, seed: int = 0) -> Divergence:
+    """The Divergence of a model scored against a Reference (Scorer with compare=True); with the first model's
+    score `base` on the same windows (with its per-token NLL), also llama.cpp's statistics (quality.of)."""
     if not score.window_kl:
         raise SurgeryError("KL needs the model scored against the first model's log-probs (Scorer(compare=True))")
     kl, low, high = _bootstrap(np.asarray(score.window_kl, np.float64), score.window_tokens, resamples, seed)
     p99 = float(np.percentile(np.asarray(score.token_kl, np.float64), 99))
-    return Divergence(kl, low, high, p99, sum(score.window_top1) / sum(score.window_tokens))
+    same = quality.of(base.token_nll, score.token_nll, score.token_kl, sum(score.window_top1)) if base and base.token_nll else None
+    return Divergence(kl, low, high, p99, sum(score.window_top1) / sum(score.window_tokens), same)
 
 
 def _bootstrap(sums: np.ndarray, tokens: Sequence[int], resamples: int, seed: int) -> tuple[float, float, float]:
@@ -226,7 +231,7 @@ class Scorer:
         if reference is not None and not self.compare:
             raise SurgeryError("a Scorer compares with a reference only when built with compare=True")
         start = time.perf_counter()
-        sums, counts, kl_sums, agree, token_kl = [], [], [], [], []
+        sums, counts, kl_sums, agree, token_kl, token_nll = [], [], [], [], [], []
         positions = np.arange(windows.seq_len)
         for batch, lo in enumerate(range(0, len(windows), batch_size)):
             ids = windows.ids[lo : lo + batch_size]
@@ -247,6 +252,7 @@ class Scorer:
             scored = (positions[None, :] >= first) & (positions[None, :] < windows.seq_len - 1)
             sums += [float(s) for s in np.where(scored, out[NLL], 0).astype(np.float64).sum(1)]
             counts += [int(c) for c in scored.sum(1)]
+            token_nll += [float(x) for x in out[NLL][scored]]
             if ref is not None:
                 kl_sums += [float(s) for s in np.where(scored, out[KL], 0).astype(np.float64).sum(1)]
                 agree += [int(a) for a in (scored & (out[TOP1] == ref.top1)).sum(1)]
@@ -256,7 +262,7 @@ class Scorer:
         loss = sum(sums) / sum(counts)
         return Perplexity(
             loss, math.exp(loss), sum(counts), len(windows), time.perf_counter() - start, tuple(sums), tuple(counts),
-            tuple(kl_sums), tuple(agree), tuple(token_kl),
+            tuple(kl_sums), tuple(agree), tuple(token_kl), tuple(token_nll),
         )
 
 
@@ -332,13 +338,13 @@ def side_by_side(models: Sequence, names: Sequence[str], *, corpus=None, seq_len
 
 def rows(models: Sequence, names: Sequence[str], scores: Sequence[Perplexity], timings: Sequence[Latency] = ()) -> list[dict]:
     """What `surgery evaluate` prints per model, from `compare` (and `latency`): loss, dNLL vs the first with its
-    interval, KL / its interval / p99 / top-1 agreement vs the first (None for the first), latency and ratios."""
+    interval, KL / its interval / p99 / top-1 agreement / llama.cpp's statistics vs the first (None for the first), latency and ratios."""
     out = []
     for i, (model, name, score) in enumerate(zip(models, names, scores)):
         d = None if i == 0 else delta(scores[0], score)
         row = {"model": str(model), "name": name, **score.summary(), "dnll": score.loss - scores[0].loss,
                "dnll_interval": None if d is None else [d.low, d.high]}
-        row |= divergence(score).to_json() if i else {"kl": None, "kl_interval": None, "kl_p99": None, "top1_agreement": None}
+        row |= divergence(score, scores[0]).to_json() if i else dict.fromkeys(("kl", "kl_interval", "kl_p99", "top1_agreement", "llama_cpp"))
         if timings:
             t, t0 = timings[i], timings[0]
             row.update(dataclasses.asdict(t))

@@ -54,7 +54,7 @@ class Outcome:
     base_loss_eval: float
     dnll_eval: Delta  # held-out evaluation windows, 95 % paired bootstrap interval
     eval_tokens: int
-    divergence_eval: evaluate.Divergence  # KL vs the original, p99, top-1 agreement on the evaluation windows
+    divergence_eval: evaluate.Divergence  # KL vs the original, p99, top-1 agreement, llama.cpp's statistics on the evaluation windows
     estimated_speedup: float  # the paper's max(t_attn, t_mlp) estimate, from per-branch kernel times
     prefill_ratio: float | None  # original / rewritten, one interleaved run
     decode_ratio: float | None
@@ -123,7 +123,7 @@ def auto(
     if measure_latency:
         prefill, decode, timing = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell)
     described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
-    outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after), estimate,
+    outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
                       prefill, decode, timing, described, str(times.placement))
     report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
     written = graph.write(rewritten, out, like=model_path, extra={report: json.dumps(outcome.to_json(), indent=2)})

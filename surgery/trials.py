@@ -89,7 +89,7 @@ class Trials:
         self.passes += 1
         self.blocks_run += self.n - start
         p = evaluate.joined([part for part, _, _ in parts])
-        return evaluate.delta(self.base, p), evaluate.divergence(p), {"start": start, "kept": [kept for _, kept, _ in parts]}
+        return evaluate.delta(self.base, p), evaluate.divergence(p, self.base), {"start": start, "kept": [kept for _, kept, _ in parts]}
 
     def accept(self, trial: dict) -> None:
         """Make a trial's set the accepted one: the streams at checkpoints after its start come from its run."""
