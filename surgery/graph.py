@@ -75,8 +75,8 @@ def size_on_disk(model: ir.Model, path: str | Path) -> int:
     return resolve(path).stat().st_size + sum(f.stat().st_size for f in external_data_files(model) if f.exists())
 
 
-def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None) -> None:
-    """Write `model` to `dest` atomically, with `extra` text files (name -> text) beside it.
+def save(model: ir.Model, dest: str | Path, extra: dict[str, str | bytes] | None = None) -> None:
+    """Write `model` to `dest` atomically, with `extra` files (name -> text or bytes) beside it.
 
     External data it references is copied beside `dest` byte for byte (the kernel copies; weights are
     never read into this process), unless the model now uses less than half of a file's bytes (a pass
@@ -86,8 +86,7 @@ def save(model: ir.Model, dest: str | Path, extra: dict[str, str] | None = None)
     dest = Path(dest)
     model = canonical.on_save(model.clone())  # weights shared, not copied
     with output.file(dest, needed=lambda: _bytes(model)) as partial:
-        for name, text in (extra or {}).items():
-            (partial / name).write_text(text)
+        _write_extra(partial, extra)
         used = _referenced_bytes(model)
         sparse = set()
         for location, base in external_data(model).items():
@@ -150,10 +149,10 @@ def _referenced_bytes(model: ir.Model) -> dict[str, int]:
     return used
 
 
-def write(model: ir.Model, out: str | Path, like: str | Path, extra: dict[str, str] | None = None) -> Path:
+def write(model: ir.Model, out: str | Path, like: str | Path, extra: dict[str, str | bytes] | None = None) -> Path:
     """Write a rewritten model the way its input `like` was given: a folder in gives a folder out
     (model.onnx plus the input folder's config and tokenizer files), a file in gives a file out.
-    `extra` text files (name -> text) go into the folder, or beside the file.
+    `extra` files (name -> text or bytes) go into the folder, or beside the file.
     Never writes over the input; the output appears complete or not at all. Returns the .onnx path."""
     like, out = Path(like), Path(out)
     check_output(out, like, model)
@@ -166,10 +165,17 @@ def write(model: ir.Model, out: str | Path, like: str | Path, extra: dict[str, s
         for item in like.iterdir():
             if item.is_file() and item.name not in skip and item.suffix not in (".onnx", ".onnx_data", ".data"):
                 shutil.copy2(item, partial / item.name)
-        for name, text in (extra or {}).items():
-            (partial / name).write_text(text)
+        _write_extra(partial, extra)
         save(model, partial / MODEL_FILE)
     return out / MODEL_FILE
+
+
+def _write_extra(folder: Path, extra: dict[str, str | bytes] | None) -> None:
+    for name, content in (extra or {}).items():
+        if isinstance(content, bytes):
+            (folder / name).write_bytes(content)
+        else:
+            (folder / name).write_text(content)
 
 
 def check_output(out: str | Path, like: str | Path, model: ir.Model | None = None) -> None:

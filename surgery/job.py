@@ -15,7 +15,8 @@ from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
 from surgery.passes.fuse import refusal as fuse_refusal
-from surgery.select import Fit, Progress, Selection, select_layers
+from surgery.report import selection_picture
+from surgery.select import Budget, Fit, Progress, Selection, select_layers
 from surgery.subject import Subject
 
 
@@ -126,7 +127,9 @@ def auto(
     outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
                       prefill, decode, timing, described, str(times.placement))
     report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
-    written = graph.write(rewritten, out, like=model_path, extra={report: json.dumps(outcome.to_json(), indent=2)})
+    saved = {**outcome.to_json(), "budget": dataclasses.asdict(greedy.get("budget", Budget()))}  # the picture draws its limits
+    extra = {report: json.dumps(saved, indent=2), Path(report).with_suffix(".png").name: selection_picture(saved)}
+    written = graph.write(rewritten, out, like=model_path, extra=extra)
     return outcome, written
 
 

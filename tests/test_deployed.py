@@ -331,7 +331,7 @@ def test_default_main_job_on_a_genai_folder_generates_in_onnxruntime_genai(build
                                       "--windows", "4", "--eval-windows", "2", "--no-latency", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["selection"]["layers"]  # something was rewritten
-    beside = lambda folder: {p.name for p in folder.iterdir() if not p.name.startswith("model.onnx")} - {"selection.json"}  # noqa: E731
+    beside = lambda folder: {p.name for p in folder.iterdir() if not p.name.startswith("model.onnx")} - {"selection.json", "selection.png"}  # noqa: E731
     assert "genai_config.json" in beside(built) and "tokenizer.json" in beside(built) and beside(out) == beside(built)
     for name in beside(built):
         assert (out / name).read_bytes() == (built / name).read_bytes(), name

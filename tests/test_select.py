@@ -203,6 +203,7 @@ def test_auto_on_a_bare_onnx_file(tmp_path, fixture_path):
     done = runner.invoke(app, args + ["--tokenizer", str(fixture_path("llama") / "tokenizer.json")])
     assert done.exit_code == 0, done.output
     assert (tmp_path / "out.onnx").is_file() and (tmp_path / "out.selection.json").is_file()
+    assert (tmp_path / "out.selection.png").read_bytes().startswith(b"\x89PNG")  # the picture beside it, named like it
     assert "form fused compensated" in done.stdout and "forward passes" in done.stdout
 
 
