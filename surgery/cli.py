@@ -345,7 +345,7 @@ def _selection_lines(outcome, written: Path, budget, repeats: int) -> list[tuple
         lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
     split = ", ".join(f"{k} {v:.0f} s" for k, v in sel.fit_seconds.items())
     seconds = ", ".join(f"{k} {v:.0f} s" + (f" ({split})" if k == "fit" and split else "") for k, v in sel.seconds.items())
-    return lines + [("time", seconds), ("written", f"{written} (+ selection.json)")]
+    return lines + [("time", seconds), ("written", f"{written} (+ selection.json, selection.png)")]
 
 
 @_command("surgery ablate out/smollm2 --branch mlp --mode tangential --layers 0-2 -o out/smollm2-tangential")
