@@ -2,14 +2,12 @@
 
 This is the only code that knows what a block looks like. It reads structure, never names:
 
-1. Every normalisation is found by its shape: a fused LayerNormalization / RMSNormalization op,
-   or a ReduceMean over the last axis of x**2 (RMSNorm) or of (x - mean(x))**2 (LayerNorm).
-   The values the normalisations read are the candidate residual-stream values.
-2. From the value the final normalisation reads, the stream is walked backwards: each stream
-   value is a sum (a tree of Adds of two computed operands) of the previous stream value and one
-   or two branch outputs. A bias Add has a constant operand, so it ends a branch, not a sum.
-3. A branch that reaches a Softmax (or a fused attention op) is attention, any other is the mlp.
-   Attention then mlp in consecutive steps is a sequential block; both in one step is parallel.
+1. Every normalisation is found by its shape: a fused LayerNormalization / RMSNormalization op, or a ReduceMean over the last axis of x**2 (RMSNorm) or of
+   (x - mean(x))**2 (LayerNorm). The values the normalisations read are the candidate residual-stream values.
+2. From the value the final normalisation reads, the stream is walked backwards: each stream value is a sum (a tree of Adds of two computed operands) of the
+   previous stream value and one or two branch outputs. A bias Add has a constant operand, so it ends a branch, not a sum.
+3. A branch that reaches a Softmax (or a fused attention op) is attention, any other is the mlp. Attention then mlp in consecutive steps is a sequential
+   block; both in one step is parallel.
 """
 
 from __future__ import annotations
@@ -30,7 +28,12 @@ Branch = Literal["attn", "mlp"]  # the two branches of a block
 
 @dataclasses.dataclass(frozen=True)
 class BlockMap:
-    """Where block `layer` lives in the graph, by value name."""
+    """Where block `layer` (from 0) lives in the graph, by value name: each name is a key of `Subject.values`.
+
+    resid_pre is the stream the block reads and resid_post the stream it writes; attn_out and mlp_out are the branch outputs its residual adds read (a
+    fused block's both name their sum); resid_mid, the sum of resid_pre and attn_out, is None in a parallel block; mlp_in is what ln2 reads (resid_mid,
+    or resid_pre when parallel). ln_kind and mlp_kind say what the normalisation and the mlp are; fix is what `compensate` folded into the output
+    projections (None: nothing); post_norm: the branch outputs are normalised before the residual add (Gemma 2, OLMo 2)."""
 
     layer: int
     resid_pre: str
@@ -47,6 +50,7 @@ class BlockMap:
 
     @property
     def is_parallel(self) -> bool:
+        """ln2 reads resid_pre (there is no resid_mid): a parallel or a fused block."""
         return self.resid_mid is None
 
     def output(self, branch: Branch) -> str:
@@ -55,6 +59,7 @@ class BlockMap:
 
     @property
     def form(self) -> str:
+        """`sequential`, `parallel` or `fused`."""
         return "fused" if self.fused else "parallel" if self.is_parallel else "sequential"
 
     def tensors(self) -> dict[str, str]:
@@ -79,8 +84,12 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
         model: the exported decoder.
         where: how error messages name the model (usually its path).
 
+    Returns:
+        One BlockMap per block, block i at index i.
+
     Raises:
-        SurgeryError: the graph is not a decoder made of residual attention and mlp blocks.
+        SurgeryError: the graph is not a decoder made of residual attention and mlp blocks, or a block holds an op that
+            surgery/ops.py does not describe (it could hide a residual add); one line naming `where`.
     """
     graph = model.graph
     order = {node: i for i, node in enumerate(graph)}
@@ -115,9 +124,8 @@ def find_blocks(model: ir.Model, where: str = "the graph") -> list[BlockMap]:
 
 
 def _read_blocks(steps: list[tuple[ir.Value, ir.Value, list[ir.Value]]], norms: dict[ir.Value, list[str]], where: str) -> list[BlockMap]:
-    """The blocks of the residual stream's steps (prev stream value, next, branch outputs), in order: attention then
-    mlp in consecutive steps is a sequential block, both in one step a parallel one, and one branch that
-    `surgery parallelize --fuse` wrote a fused block."""
+    """The blocks of the residual stream's steps (prev stream value, next, branch outputs), in order: attention then mlp in consecutive steps is a sequential
+    block, both in one step a parallel one, and one branch that `surgery parallelize --fuse` wrote a fused block."""
     stream = {v for pre, post, _ in steps for v in (pre, post)}
     blocks: list[BlockMap] = []
     i = 0
@@ -189,10 +197,8 @@ class Norm:
 
 
 def block_norms(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> tuple[Norm, Norm]:
-    """ln1 and ln2 of a block, with their scale, bias and epsilon, for passes that fold them (values: as branch_nodes).
-
-    Raises SurgeryError for normalisations it cannot read (decomposed LayerNorm, say).
-    """
+    """ln1 and ln2 of a block, with their scale, bias and epsilon, for passes that fold them (values: as branch_nodes);
+    raises SurgeryError for normalisations it cannot read (decomposed LayerNorm, say)."""
     values = values if values is not None else values_by_name(model)
     attn = _branch_nodes(values[block.attn_out], {values[block.resid_pre]})
     mlp = _branch_nodes(values[block.mlp_out], {values[n] for n in (block.resid_pre, block.resid_mid) if n})
@@ -272,10 +278,9 @@ def _block(layer, pre, attn, mid, mlp_in, mlp, post, norms, stream) -> BlockMap:
 
 
 def _mlp_kind(nodes: set[ir.Node], stream: set[ir.Value]) -> str:
-    """'gated' when a Mul of the mlp multiplies values computed from two projections, or from two parts (Split
-    outputs, Slices) of one fused gate_up projection: act(x W_gate) * (x W_up). 'plain' otherwise: act(x W_in)'s
-    own Muls (GELU's, SiLU's x * sigmoid(x)) read one projection. Quantizers are read through, and a quantized
-    projection is one projection (MatMulInteger's Cast and rescale Mul read its output and scales only)."""
+    """'gated' when a Mul of the mlp multiplies values computed from two projections, or from two parts (Split outputs, Slices) of one fused gate_up projection:
+    act(x W_gate) * (x W_up). 'plain' otherwise: act(x W_in)'s own Muls (GELU's, SiLU's x * sigmoid(x)) read one projection. Quantizers are read through, and a
+    quantized projection is one projection (MatMulInteger's Cast and rescale Mul read its output and scales only)."""
     memo: dict[ir.Value, frozenset] = {}
 
     def projections(value: ir.Value | None) -> frozenset:
@@ -407,10 +412,9 @@ class _ConstantTest:
 
 
 def _sum_terms(value: ir.Value, is_const: _ConstantTest) -> list[ir.Value]:
-    """Flatten the stream value `value` as a sum: descend through Adds of two computed operands into
-    operands that only the Add reads; an operand something else reads too is a stream value or a
-    branch output. Exporters may let the residual Add read an identity Cast that a normalisation also
-    reads; the stream value is then the Cast's input (see _skip's caller)."""
+    """Flatten the stream value `value` as a sum: descend through Adds of two computed operands into operands that only the Add reads; an operand something else
+    reads too is a stream value or a branch output. Exporters may let the residual Add read an identity Cast that a normalisation also reads; the stream value
+    is then the Cast's input (see _skip's caller)."""
     node = _strip_casts(value).producer()
     if node is None or node.op_type != "Add" or len(node.inputs) != 2 or any(is_const(x) for x in node.inputs):
         return [value]

@@ -264,7 +264,7 @@ def fit(
     fixes: dict[int, Fix] | None = None,
     forms: Mapping[int, Form] | None = None,
     kind: str = "full",
-    ridges=RIDGES,
+    ridges: Collection[float] = RIDGES,
     memory_bytes: int = MEMORY_BYTES,
     options: runtime.Options = runtime.Options(),
     pool: cluster.Pool | None = None,
@@ -274,29 +274,39 @@ def fit(
     input_side: bool = True,
     input_windows: int | None = None,
 ) -> dict[int, FitResult]:
-    """Fit the fix of each sequential block in `layers` (all when None; a parallel block, or one that normalises its
-    branch outputs, asked for is refused; when None, the latter gets no fix) on `windows`: kind `full` (least squares)
-    or `gate` (alpha_l). Each FitResult also carries the block's uncompensated scores.
+    """Fit the fix of each sequential block in `layers` on `windows`: kind `full` (least squares) or `gate` (alpha_l).
 
-    The layers are fitted in passes over the windows, as many at a time as `memory_bytes` holds (module docstring).
-    Each pass runs only its own blocks: it starts from the stream the pass before handed on (kept per window) and
-    stops after its last block, so all the passes together cost about one forward pass over the windows.
+    The layers are fitted in passes over the windows, as many at a time as `memory_bytes` holds, about one forward pass in all (module docstring).
 
-    fixes / forms: the blocks in place while fitting (the sequential refit): `fixes` are the fixes the graph holds,
-    `forms` the blocks switched to parallel and their form, e.g. {3: "compensated", 7: "plain"}.
-    pool: Ray actors (cluster.pool(workers=...)) each accumulate the sums of one contiguous run of the windows, and
-    this process adds them in window order; None or an in-process pool: one session here, window by window.
-    seconds: receives where the time went, added to what it holds: forward (the graph's runs), accumulate (the
-    float64 sums; on Ray, both summed over the actors) and solve (the ridge choice, the solve and any requantization).
-    requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE): `gptq`, error-aware
-    on the second moments of their inputs gathered in the same pass, or `nearest`.
-    input_side: a full fix (not the gate) also gets an input side (Fix.w_in, b_in), fitted in a pass
-    of its own before the output side's, where the mlp's input projections are plain (not MatMulNBits) ones: each
-    chunk of layers costs two passes then, the first without the twin mlp; the output side is then fitted to the
-    defect left by the input-fixed mlp (module docstring). A block compensated while fitted keeps its fix's input side.
-    input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None): its
-    equations have d_model + 1 unknowns per output, the output side's 2 d_model + 1, and its ridge is chosen on the
-    same alternating folds of the windows it runs on.
+    Args:
+        model: the model (or its Subject); not modified.
+        windows: the fit windows (`windows(..., part="calibration")`); they alternate between the two folds that choose each layer's ridge.
+        layers: the blocks to fit, by index from 0 (all sequential blocks when None). A parallel block, or one that normalises its branch outputs, asked
+            for is refused; when None, the latter gets no fix.
+        fixes: the fixes the graph holds while fitting (the sequential refit), by layer.
+        forms: the blocks switched to parallel while fitting and their form, e.g. {3: "compensated", 7: "plain"}.
+        kind: `full` (ridge least squares: w_a, w_p, b, and an input side) or `gate` (alpha_l, the paper's scalar: Fix.gate).
+        ridges: the ridge strengths to choose from, times diag(Z'Z); per layer, the one whose fold-0 fit leaves the least defect on fold 1.
+        memory_bytes: the bytes one pass's normal equations may take (default 2 GiB; at least one layer per pass).
+        options: ONNX Runtime session options.
+        pool: Ray actors (cluster.pool(workers=...)) each accumulate the sums of one contiguous run of the windows, and this process adds them in window
+            order; None or an in-process pool: one session here, window by window.
+        progress: called as progress(windows done, windows total), counting the windows of every pass.
+        seconds: receives where the time went, added to what it holds: forward (the graph's runs), accumulate (the float64 sums; on Ray, both summed
+            over the actors) and solve (the ridge choice, the solve and any requantization).
+        requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE): `gptq`, error-aware on the second moments of
+            their inputs gathered in the same pass, or `nearest`.
+        input_side: a full fix also gets an input side (Fix.w_in, b_in) where the mlp's input projections are plain (not MatMulNBits) ones, fitted in a
+            pass of its own first; the output side then fits the defect the input-fixed mlp leaves. A block compensated while fitted keeps its input side.
+        input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None): its equations have d_model + 1 unknowns
+            per output, the output side's 2 d_model + 1, and its ridge is chosen on the same alternating folds of the windows it runs on.
+
+    Returns:
+        layer -> FitResult for each fitted block ({} when there is none): the fix (None when the fit failed or cannot be folded; note says why), the
+        held-out residual fraction and C_l^comp, the tokens it was fitted on, and the uncompensated scores (c, c_stream, alpha).
+
+    Raises:
+        SurgeryError: an unknown `requantize`, `input_windows` below 1, no token embedding table, or a block in `layers` that cannot be fitted.
     """
     if requantize not in REQUANTIZE:
         raise SurgeryError(f"unknown requantization {requantize!r}; choose one of {', '.join(REQUANTIZE)}")

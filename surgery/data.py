@@ -30,7 +30,17 @@ PARTS = ("evaluation", "calibration", "all")
 
 @dataclasses.dataclass(frozen=True)
 class Windows:
-    """Token windows to score. Target t of window w is ids[w, t + 1], predicted at position t."""
+    """Token windows to score. Target t of window w is ids[w, t + 1], predicted at position t.
+
+    Made by `windows()`; `len(w)` is the number of windows, `w.take(indices)` a selection of them.
+
+    Attributes:
+        ids: [n_windows, seq_len] int64 token ids (each window starts with BOS when the tokenizer prepends one).
+        score_from: [n_windows]: the first target index that counts in each window (earlier ones were scored by the
+            window before, when windows overlap).
+        starts: [n_windows]: the offset of each window's first non-BOS token in the corpus token stream.
+        name: the corpus and part, e.g. `pydoc_data.topics (evaluation part)`.
+    """
 
     ids: np.ndarray  # [n_windows, seq_len] int64
     score_from: np.ndarray  # [n_windows]: first target index that counts (earlier ones were scored before)
@@ -39,17 +49,19 @@ class Windows:
 
     @property
     def seq_len(self) -> int:
+        """Tokens per window."""
         return int(self.ids.shape[1])
 
     @property
     def tokens(self) -> int:
-        """Number of scored targets."""
+        """Number of scored targets (tokens) over all the windows."""
         return int(sum(self.seq_len - 1 - int(s) for s in self.score_from))
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
     def take(self, indices, name: str | None = None) -> "Windows":
+        """The windows at `indices` (in that order), named `name` (default: this one's name)."""
         indices = np.asarray(indices, dtype=np.int64)
         return Windows(self.ids[indices], self.score_from[indices], self.starts[indices], name or self.name)
 
@@ -186,7 +198,31 @@ def windows(
     calibration: float = 0.25,
     tokenizer: str | Path | None = None,
 ) -> Windows:
-    """Token windows of a corpus for `model`: the `part` (evaluation, calibration or all) of its token stream."""
+    """Token windows of a corpus for `model`: the `part` (evaluation, calibration or all) of its token stream.
+
+    The corpus is tokenized once (documents joined by a blank line) with the model's tokenizer and cut into segments of
+    8 windows' worth of tokens, dealt to the calibration and evaluation parts so both span the corpus (module docstring).
+
+    Args:
+        model: the exported model (an .onnx file, or a folder holding one): its folder holds the tokenizer.json.
+        data: the corpus: a .txt file, a .jsonl file with a `text` field per line, or None / `pydoc`: the built-in
+            corpus (the English text of `pydoc_data.topics`).
+        seq_len: tokens per window, BOS included when the tokenizer prepends one.
+        stride: tokens between the starts of consecutive windows of a segment (None: seq_len without BOS, no overlap);
+            with a smaller stride windows overlap and each token is scored once.
+        max_windows: at most this many windows, evenly spaced over the part (None: all of them).
+        part: `evaluation` (the reported loss), `calibration` (fits, scores, selection) or `all` (both, in corpus order).
+        calibration: the fraction of the segments that goes to the calibration part, between 0 and 1.
+        tokenizer: a tokenizer.json, or a folder holding one, to use instead of the model folder's.
+
+    Returns:
+        The Windows: ids [n_windows, seq_len], the first scored target of each window, and their offsets in the stream.
+
+    Raises:
+        SurgeryError: an unknown part, max_windows below 1, a calibration fraction outside (0, 1), no tokenizer, a corpus
+            file that is missing or not UTF-8 text (or a .jsonl line without a string `text`), a seq_len or stride that
+            leaves no room, or a corpus too short for one window of the part.
+    """
     if part not in PARTS:
         raise SurgeryError(f"unknown part {part!r}; use one of {', '.join(PARTS)}")
     if max_windows is not None and max_windows < 1:

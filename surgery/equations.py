@@ -27,7 +27,21 @@ RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # time
 
 @dataclasses.dataclass(frozen=True)
 class FitResult:
-    """One block's fitted fix and how well it generalises. fix is None when the fit failed (note says why)."""
+    """One block's fitted fix and how well it generalises. fix is None when the fit failed (note says why).
+
+    Held-out numbers are of the fit on fold 0 measured on fold 1 of the fit windows (windows alternate between the folds).
+
+    Attributes:
+        layer: the block, by index from 0.
+        fix: the Fix to hand to `compensate` or `fuse` (a gate for kind `gate`); None when the fit failed or cannot be folded into the weights.
+        ridge: the ridge strength chosen on the held-out fold (times diag(Z'Z)); None for a gate or a failed fit.
+        residual: held-out E|delta - fit|^2 / E|delta|^2, delta the block's defect (of the input-fixed block, with an input side); below 1: the fix helps.
+        c_comp: C_l^comp, held-out E|delta - fit|^2 / E|y|^2: the fixed block's defect, what `select_layers` ranks by when compensating.
+        tokens: the tokens the sums were gathered on (both folds).
+        note: why fix is None (empty when it is not).
+        scores: the uncompensated one-pass scores on the fit windows: c, c_stream, alpha.
+        input_residual: of the input side, held-out E|v - u'|^2 / E|v - u|^2; None without an input side.
+    """
 
     layer: int
     fix: Fix | None
@@ -41,7 +55,7 @@ class FitResult:
 
     @property
     def c_stream(self) -> float:
-        """E|delta|^2 / E|y|^2 on the fit windows: the uncompensated score."""
+        """C_l^stream = E|delta|^2 / E|y|^2 on the fit windows: the uncompensated score (scores["c_stream"])."""
         return self.scores["c_stream"]
 
     def to_json(self) -> dict:

@@ -34,6 +34,7 @@ class Reference:
 
 @dataclasses.dataclass(frozen=True)
 class Perplexity:
+    """One model's token-weighted mean NLL (loss, nats) on some windows, with per-window and per-token sums (for `delta`, `divergence`)."""
     loss: float  # token-weighted mean NLL, nats
     perplexity: float
     tokens: int
@@ -82,7 +83,11 @@ class Delta:
 
 def delta(base: Perplexity, other: Perplexity, *, resamples: int = 2000, seed: int = 0) -> Delta:
     """Paired bootstrap of dNLL over windows: resample windows with replacement, the same ones for both
-    models, and take the 2.5 / 97.5 percentiles of the token-weighted difference."""
+    models, and take the 2.5 / 97.5 percentiles of the token-weighted difference.
+
+    Raises:
+        SurgeryError: `base` and `other` were not scored on the same windows (their window_tokens differ).
+    """
     if base.window_tokens != other.window_tokens:
         raise SurgeryError("dNLL needs both models scored on the same windows")
     diff = np.asarray(other.window_nll, np.float64) - np.asarray(base.window_nll, np.float64)
@@ -91,9 +96,8 @@ def delta(base: Perplexity, other: Perplexity, *, resamples: int = 2000, seed: i
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
-    """How far a model's next-token distribution moved from the first model's, over scored positions t:
-    mean KL_t = sum_v p_first(v) (log p_first(v) - log p_this(v)) in nats, with a 95 % bootstrap interval
-    over windows, the 99th percentile of KL_t, and top-1 agreement (argmax p_first = argmax p_this)."""
+    """How far a model's next-token distribution moved from the first model's, over scored positions t: mean KL_t = sum_v p_first(v) (log p_first(v) -
+    log p_this(v)) in nats, with a 95 % bootstrap interval over windows, the 99th percentile of KL_t, and top-1 agreement (argmax p_first = argmax p_this)."""
 
     kl: float
     low: float
@@ -112,7 +116,11 @@ class Divergence:
 
 def divergence(score: Perplexity, base: Perplexity | None = None, *, resamples: int = 2000, seed: int = 0) -> Divergence:
     """The Divergence of a model scored against a Reference (Scorer with compare=True); with the first model's
-    score `base` on the same windows (with its per-token NLL), also llama.cpp's statistics (quality.of)."""
+    score `base` on the same windows (with its per-token NLL), also llama.cpp's statistics (quality.of).
+
+    Raises:
+        SurgeryError: `score` was not scored against a reference (it is `compare`'s first model, or from `perplexity`).
+    """
     if not score.window_kl:
         raise SurgeryError("KL needs the model scored against the first model's log-probs (Scorer(compare=True))")
     kl, low, high = _bootstrap(np.asarray(score.window_kl, np.float64), score.window_tokens, resamples, seed)
@@ -148,11 +156,10 @@ class Latency:
 
 
 def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False) -> ir.Model:
-    """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs `surgery_nll` [batch, seq]:
-    -log softmax(logits)[target], so one number per token leaves the session; then `surgery_logprobs`
-    [batch, seq, vocab] (fetched only for a reference) and `surgery_top1` [batch, seq]; then the outputs named in `keep`.
-    compare: also take `surgery_reference` [batch, seq, vocab] (the first model's log-probs) and output
-    `surgery_kl` [batch, seq] = sum_v exp(ref) (ref - logprobs), so the vocabulary never leaves the session."""
+    """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs `surgery_nll` [batch, seq]: -log softmax(logits)[target], so one number per token
+    leaves the session; then `surgery_logprobs` [batch, seq, vocab] (fetched only for a reference) and `surgery_top1` [batch, seq]; then the outputs named in
+    `keep`. compare: also take `surgery_reference` [batch, seq, vocab] (the first model's log-probs) and output `surgery_kl` [batch, seq] = sum_v exp(ref)
+    (ref - logprobs), so the vocabulary never leaves the session."""
     model = model.clone()
     g = model.graph
     logits = next((v for v in g.outputs if v.name == "logits"), None)
@@ -201,9 +208,8 @@ def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = Fal
 
 
 class Scorer:
-    """One session that scores token windows under a model; reuse it for many windows or switch settings.
-    keep: outputs of `model` that a call can also hand back (see `kept`).
-    compare: the session also takes the first model's log-probs, for KL and top-1 agreement (see `reference`)."""
+    """One session that scores token windows under a model; reuse it for many windows or switch settings. keep: outputs of `model` that a call can also hand
+    back (see `kept`). compare: the session also takes the first model's log-probs, for KL and top-1 agreement (see `reference`)."""
 
     def __init__(
         self, model: ir.Model | str | Path, options: runtime.Options = runtime.Options(), keep: Sequence[str] = (), compare: bool = False
@@ -224,10 +230,9 @@ class Scorer:
         reference: Sequence[Reference] | None = None,
         record: list[Reference] | None = None,
     ) -> Perplexity:
-        """Token-weighted mean NLL (nats) of `windows`; `extra` feeds inputs a diagnostic graph added.
-        `kept`, when given, receives the `keep` outputs of the last batch, by name.
-        reference: one Reference per batch (of `batch_size` windows), the first model's on the same windows:
-        the result then also holds KL and top-1 agreement. record: receives this model's Reference of each batch."""
+        """Token-weighted mean NLL (nats) of `windows`; `extra` feeds inputs a diagnostic graph added. `kept`, when given, receives the `keep` outputs of the
+        last batch, by name. reference: one Reference per batch (of `batch_size` windows), the first model's on the same windows: the result then also holds KL
+        and top-1 agreement. record: receives this model's Reference of each batch."""
         if reference is not None and not self.compare:
             raise SurgeryError("a Scorer compares with a reference only when built with compare=True")
         start = time.perf_counter()
@@ -317,9 +322,8 @@ def side_by_side(models: Sequence, names: Sequence[str], *, corpus=None, seq_len
                  max_windows: int | None = None, part: str = "evaluation", tokenizer=None, batch_size: int = 1,
                  measure_latency: bool = True, latency_batch: int = 1, repeats: int = 20, warmup: int = 3,
                  options: runtime.Options = runtime.Options(), progress=None) -> tuple[Windows, list[dict]]:
-    """What `surgery evaluate` measures: the models scored on the corpus's windows (`compare`), then their
-    latency with the repeats interleaved; the windows and one row per model (`rows`).
-    progress(stage, done, total), one stage per model's perplexity and one for the latency."""
+    """What `surgery evaluate` measures: the models scored on the corpus's windows (`compare`), then their latency with the repeats interleaved; the windows and
+    one row per model (`rows`). progress(stage, done, total), one stage per model's perplexity and one for the latency."""
     from surgery import data
 
     tell = progress or (lambda stage, done, total: None)
@@ -370,12 +374,10 @@ def latency(
 ) -> list[Latency]:
     """Prefill and decode wall times of each model, with the repeats of all models interleaved.
 
-    Each repeat runs every model's prefill, then every model's decode, starting from a different
-    model each time, so drift on the machine falls on all graphs alike. Same session options for all
-    (sessions given ready-made are used as they are). bind: IO binding, as runtime.Prepared (None:
-    on CUDA); the decode's past is then the prefill's present, left on the device.
-    The warm-up (at least one run) is profiled, for each session's placement; the timed runs are not. A session
-    given ready-made has its placement read when it was made with Options.profile and not yet ended.
+    Each repeat runs every model's prefill, then every model's decode, starting from a different model each time, so drift on the machine falls on all graphs
+    alike. Same session options for all (sessions given ready-made are used as they are). bind: IO binding, as runtime.Prepared (None: on CUDA); the decode's
+    past is then the prefill's present, left on the device. The warm-up (at least one run) is profiled, for each session's placement; the timed runs are not. A
+    session given ready-made has its placement read when it was made with Options.profile and not yet ended.
     """
     with tempfile.TemporaryDirectory() as tmp:
         sessions = [
@@ -454,12 +456,10 @@ class BranchTimes:
 def branch_times(
     model, *, batch: int = 1, seq_len: int = 256, runs: int = 5, seed: int = 0, options: runtime.Options = runtime.Options()
 ) -> BranchTimes:
-    """Profile prefill with ONNX Runtime's profiler (basic optimisations keep node names) and add each
-    node's kernel time to its block's branch. Nodes that several blocks share (mask, rotary) count
-    only in the total. The session has `options` but for those two, so the times are on the device
-    that latency() with the same options measures (CUDA when usable, for auto). On CUDA a node's time is
-    what ORT's profiler records, the host side of its kernel (launch, and any wait on the device): ORT's pip
-    build has no CUPTI for device times."""
+    """Profile prefill with ONNX Runtime's profiler (basic optimisations keep node names) and add each node's kernel time to its block's branch. Nodes that
+    several blocks share (mask, rotary) count only in the total. The session has `options` but for those two, so the times are on the device that latency() with
+    the same options measures (CUDA when usable, for auto). On CUDA a node's time is what ORT's profiler records, the host side of its kernel (launch, and any
+    wait on the device): ORT's pip build has no CUPTI for device times."""
     from surgery.blocks import branch_nodes
     from surgery.subject import Subject
 

@@ -47,7 +47,21 @@ class ModelFacts:
 
 
 def describe(path: str | Path) -> ModelFacts:
-    """Load the model at `path` (weights stay on disk) and gather its facts and block map."""
+    """Load the model at `path` (weights stay on disk) and gather its facts and block map: what `surgery inspect` shows.
+
+    Args:
+        path: an .onnx file, or a folder holding one (`model.onnx` from `surgery export`, a GenAI builder folder).
+
+    Returns:
+        A `ModelFacts`: the resolved .onnx path, n_layers, d_model and vocab (None without a token embedding table),
+        the form of its blocks (`sequential`, `parallel`, `fused`, or `mixed`), whether it has a KV cache, opset and
+        IR version, producer, size on disk in bytes (with its external data files), its inputs and outputs, the
+        surgery history the graph records, and one BlockMap per block (`to_json()`: what `inspect --json` prints).
+
+    Raises:
+        SurgeryError: the path holds no ONNX model (or several .onnx files), the file is not a valid ONNX model, or
+            the graph has no transformer blocks; one line naming the file.
+    """
     from surgery.subject import Subject
 
     file = graph.resolve(path)

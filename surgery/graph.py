@@ -78,10 +78,20 @@ def size_on_disk(model: ir.Model, path: str | Path) -> int:
 def save(model: ir.Model, dest: str | Path, extra: dict[str, str | bytes] | None = None) -> None:
     """Write `model` to `dest` atomically, with `extra` files (name -> text or bytes) beside it.
 
-    External data it references is copied beside `dest` byte for byte (the kernel copies; weights are
-    never read into this process), unless the model now uses less than half of a file's bytes (a pass
-    replaced most of its weights): then the tensors it still uses are written anew instead, so the
-    output holds no dead weights. New weights go, once, to their own data file.
+    The model is written back in the input's own ops (the plain view `load` made is undone on a copy; the model
+    passed in is not modified). External data it references is copied beside `dest` byte for byte (the kernel
+    copies; weights are never read into this process), unless the model now uses less than half of a file's bytes
+    (a pass replaced most of its weights): then the tensors it still uses are written anew instead, so the output
+    holds no dead weights. New weights go, once, to their own data file (`<dest name>.data`, those of 1 MiB or more,
+    when the model has external data or over 1 GiB of weights in memory; else all weights stay in the .onnx file).
+
+    Args:
+        model: the model to write, e.g. a pass's `SurgeryResult.model`.
+        dest: the .onnx file to write (its folder is made when missing); files of the same names there are replaced.
+        extra: files to write beside `dest`, name -> text (written as text) or bytes.
+
+    Raises:
+        SurgeryError: the disk is full or the folder cannot be written (one line; nothing is left half-written).
     """
     dest = Path(dest)
     model = canonical.on_save(model.clone())  # weights shared, not copied
@@ -153,7 +163,21 @@ def write(model: ir.Model, out: str | Path, like: str | Path, extra: dict[str, s
     """Write a rewritten model the way its input `like` was given: a folder in gives a folder out
     (model.onnx plus the input folder's config and tokenizer files), a file in gives a file out.
     `extra` files (name -> text or bytes) go into the folder, or beside the file.
-    Never writes over the input; the output appears complete or not at all. Returns the .onnx path."""
+    Never writes over the input; the output appears complete or not at all.
+
+    Args:
+        model: the rewritten model, e.g. a pass's `SurgeryResult.model` (weights are written as `save` does).
+        out: the output: a folder (replaced as a whole when it exists) for a folder `like`, else an .onnx file.
+        like: the model's input as it was given, a folder or an .onnx file: what the output copies its form and files from.
+        extra: files to write into the output folder (or beside the output file), name -> text or bytes.
+
+    Returns:
+        The path of the written .onnx file: `out/model.onnx` for a folder, else `out`.
+
+    Raises:
+        SurgeryError: `like` holds no ONNX model, `out` would overwrite the input, `out` is a folder for a file
+            input (or a file for a folder input), its folder cannot be written, or the disk is too full for it.
+    """
     like, out = Path(like), Path(out)
     check_output(out, like, model)
     source = resolve(like)

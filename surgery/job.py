@@ -73,10 +73,10 @@ class Outcome:
 
 
 def auto(
-    model_path,
-    out,
+    model_path: str | Path,
+    out: str | Path,
     *,
-    corpus=None,
+    corpus: str | Path | None = None,
     seq_len: int = 256,
     windows: int = 16,
     fit_windows: int = 64,
@@ -85,20 +85,40 @@ def auto(
     fused: bool = False,
     measure_latency: bool = True,
     repeats: int = 20,
-    tokenizer=None,
+    tokenizer: str | Path | None = None,
     options: runtime.Options = runtime.Options(),
     progress: Progress | None = None,
     workers: int | None = None,
     ray: str | None = None,
     **greedy,
 ) -> tuple[Outcome, Path]:
-    """Select, rewrite, measure and write: the main job. Returns the outcome and the written .onnx path.
-    greedy: how select_layers chooses (score, budget, max_layers, patience, protect_first, protect_last,
-    try_both, refit). workers / ray: the selection's trials are scored on a local Ray cluster of that many
-    CPUs / on the Ray cluster at that address, and so is the fit pass (the evaluation stays in this process).
+    """Select, rewrite, measure and write: the main job (`surgery parallelize --layers auto`).
 
-    Calibration windows are dealt into fit windows (the fixes) and selection windows (the greedy
-    dNLL checks); the reported dNLL is on the disjoint evaluation windows.
+    Args:
+        model_path: the exported model: an .onnx file, or a folder holding one.
+        out: where to write the rewritten model, like its input (`write`), with selection.json and its picture beside it; never the input.
+        corpus: a .txt or .jsonl file (a `text` field per line); None: the built-in corpus.
+        seq_len: tokens per window, and the prompt length the latency and the speed-up estimate are timed at.
+        windows: selection windows (the greedy's checks), from the corpus's calibration part.
+        fit_windows: fit windows (the fixes; with a fit), dealt from the calibration part with the selection windows, disjoint from them.
+        eval_windows: evaluation windows, from the corpus's evaluation part (disjoint from both): the reported dNLL and KL are on them.
+        fit: `full` (least-squares fix), `gate` (the paper's alpha_l) or None (no compensation), as select_layers.
+        fused: write the chosen blocks in the fused parallel form (`fuse`) instead of plain or compensated parallel blocks.
+        measure_latency: time the prefill and decode of the original and the rewritten model, interleaved.
+        repeats: timed runs of each model for the latency.
+        tokenizer: a tokenizer.json (or its folder) when the model's folder has none.
+        options: ONNX Runtime session options, for every session.
+        progress: called as progress(stage, done, total) as each stage advances.
+        workers: score the selection's trials and the fit pass on a local Ray cluster of that many CPUs (the evaluation stays in this process).
+        ray: the same on the Ray cluster at that address.
+        **greedy (Any): how select_layers chooses: score, budget, max_layers, patience, protect_first, protect_last, try_both, refit, fit_memory, ...
+
+    Returns:
+        The Outcome (selection.json's content: the Selection, the form written, dNLL and KL on the evaluation windows, speed-ups) and the .onnx path written.
+
+    Raises:
+        SurgeryError: `out` overwrites the input or cannot be written, a block cannot be fused (with `fused`; before any work), too small a corpus, or
+            what select_layers refuses.
     """
     tell = progress or (lambda stage, done, total: None)
     subject = Subject(graph.load(model_path), str(model_path))  # read once: the selection, the rewrite and the measurements take it

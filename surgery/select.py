@@ -67,7 +67,16 @@ class Trial:
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """What the chosen set may cost on the selection windows, on point estimates: mean token KL vs the original
-    (nats) and dNLL (nats); None switches a limit off. Both must hold."""
+    (nats) and dNLL (nats); None switches a limit off. Both must hold.
+
+    Attributes:
+        max_kl: the most mean token KL(original || chosen set) allowed, nats (`--max-kl`); None: no limit.
+        max_loss_increase: the most dNLL (loss of the chosen set minus the original's) allowed, nats
+            (`--max-loss-increase`); None: no limit.
+
+    Raises:
+        SurgeryError: a limit that is not a positive finite number (or None).
+    """
 
     max_kl: float | None = 0.05
     max_loss_increase: float | None = 0.02
@@ -104,6 +113,37 @@ class Budget:
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
+    """What `select_layers` chose, and everything it measured on the way (selection.json's `selection`: `to_json()`).
+
+    Per-layer tuples (c, c_stream, c_comp, alpha) have one entry per block, None where a block is not sequential (c_comp:
+    or has no fix). dNLL and KL are in nats, on the selection windows.
+
+    Attributes:
+        layers: the chosen blocks, in order.
+        forms: layer -> how it is written: `compensated` (with its fix; calibrated for fit `gate`) or `plain`.
+        score: what ranked the candidates (`c_comp`, `c_stream` or `c`).
+        fit: `full`, `gate`, or None (no compensation).
+        c: C_l of each block.
+        c_stream: C_l^stream of each block, the uncompensated score.
+        c_comp: C_l^comp of each block, the fixed block's held-out defect.
+        alpha: alpha_l of each block, the paper's gate.
+        fits: layer -> FitResult of each fitted block (the refitted ones when the refit was kept).
+        trials: every trial of the greedy, in order: the layer, its form and score, the chosen set's dNLL and KL with it, kept or not.
+        base_loss: the original's loss on the selection windows, nats.
+        dnll: the chosen set's dNLL vs the original, with its 95 % paired bootstrap interval.
+        divergence: the chosen set's KL vs the original (mean, interval, p99, top-1 agreement); None when nothing is chosen.
+        refit: what the sequential refit did (layers, dNLL and KL before and after, kept); None when it did not run.
+        fit_passes: passes over the fit windows: one per chunk of layers whose normal equations fit in memory (+ the refit's).
+        forward_passes: passes over the selection windows: the baseline and one per trial (+ 1 for a refit).
+        seconds: wall time of each step: fit (or scores), selection, refit.
+        fit_seconds: where the fit's (and refit's) time went: forward, accumulate, solve.
+        candidates: how many sequential blocks could be chosen, ranked.
+        stopped: why the greedy stopped before the last candidate (--max-layers reached, patience run out); None: it did not.
+        fit_memory: the bytes one fit pass's normal equations could take (--fit-memory); None without a fit.
+        requantize: how the codes of chosen compensated MatMulNBits blocks were chosen; None when there is none.
+        blocks_run: blocks the forward passes ran (a resumed trial runs the blocks from its start on; the rest all).
+    """
+
     layers: tuple[int, ...]
     forms: dict[int, Form]  # layer -> how it was written
     score: Score
@@ -226,13 +266,39 @@ def select_layers(
     requantize: str = "gptq",
     input_side: bool = True,
 ) -> Selection:
-    """Greedy selection of blocks to parallelize (see the module docstring). `windows` are the
-    selection windows; `fit_windows` (needed when `fit` is set) are where the fixes are fitted.
-    patience: stop after this many candidates in a row miss the budget (None or 0: try them all).
-    pool: where the fit's windows and each trial's batches of selection windows are run (Ray actors, or this process).
-    fit_memory: the bytes one fit pass's normal equations may take (compensation.memory_bound: None is auto).
-    requantize: how fixes folded into MatMulNBits weights choose their codes (compensation.REQUANTIZE).
-    input_side: full fixes get an mlp input side where it folds (compensation.fit)."""
+    """Greedy selection of blocks to parallelize (see the module docstring): the sequential blocks, ranked by a one-pass score
+    (lowest first), are added one at a time while the whole chosen set stays within `budget` on the selection windows.
+
+    Args:
+        model: the model as exported, or its Subject; not modified.
+        windows: the selection windows, where each trial of the chosen set is measured against the original (disjoint from `fit_windows` and the evaluation's).
+        fit_windows: where the fixes are fitted (needed when `fit` is set).
+        fit: `full` (least-squares fix), `gate` (the paper's alpha_l), or None: no compensation (blocks tried plain, scores from one pass over `windows`).
+        score: what ranks the candidates: `c_comp` (default with a fit; a block without a fix is ranked by its c_stream), `c_stream` (default without) or `c`.
+        budget: what the chosen set may cost on the selection windows (mean token KL and dNLL, nats, on point estimates).
+        max_layers: stop when this many blocks are chosen (None: no limit).
+        patience: stop after this many candidates in a row miss the budget (None or 0: try them all).
+        protect_first: never choose the first this many blocks.
+        protect_last: never choose the last this many blocks.
+        try_both: try every candidate compensated and plain, and keep the passing form that costs less (Budget.cost); else plain is tried only after compensated
+            misses and the fit did not lower the held-out defect.
+        refit: fit the chosen compensated blocks' fixes again with every chosen block in place; the refitted fixes are kept if the chosen set then costs less on
+            the selection windows.
+        options: ONNX Runtime session options.
+        progress: called as progress(stage, done, total) while the fit (or the defect scores), the greedy and the refit run.
+        pool: where the fit's windows and each trial's batches of selection windows are run (Ray actors, or this process).
+        fit_memory: the bytes one fit pass's normal equations may take: a number, a size such as `4G`, or None / `auto` (a quarter of the memory available, at
+            least 256 MiB; compensation.memory_bound).
+        requantize: how fixes folded into MatMulNBits weights choose their codes: `gptq` or `nearest` (compensation.REQUANTIZE).
+        input_side: full fixes get an mlp input side where it folds (compensation.fit).
+
+    Returns:
+        The Selection: the chosen layers and the form of each, every block's scores and fit, every trial, and the chosen set's dNLL and KL.
+
+    Raises:
+        SurgeryError: an unknown score or fit, score `c_comp` without a fit, a fit without `fit_windows`, a `fit_memory` that cannot be read, or what
+            `compensation.fit` refuses.
+    """
     score = _score(score, fit, fit_windows)
     tell = progress or (lambda stage, done, total: None)
     model = Subject.of(model)  # read once: the fit, the trials and the refit take it

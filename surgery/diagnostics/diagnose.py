@@ -64,7 +64,20 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
     """What diagnose() measured: one field per section of report.json (surgery/report.schema.json), each in
-    its report.json form; a section that was not asked for is None."""
+    its report.json form; a section that was not asked for is None.
+
+    Attributes:
+        model: path, n_layers, forms (one per block: sequential or parallel).
+        windows: calibration and (when losses ran) evaluation windows: corpus, count, seq_len, tokens.
+        seconds: wall time of each step that ran: probe, probe_setup (part of probe), critical, fit, prefix, losses.
+        deficit: per layer, the alignment a_l of attn_out's and the mlp's tangential parts and the deficit 1 - a_l; their mean.
+        diversity: pre / mid / post: diversity, effective_rank; d_attn, d_mlp, d_block.
+        defect: c, c_stream, c_comp (+ notes), the single-layer parallel and compensated runs (dNLL, KL), spearman.
+        gate: alpha, per layer.
+        critical: seeds; per layer: r, converged, best_residual, counts, points.
+        prefix: distances, sensitivity `[layer][distance]` of each block's resid_post.
+        ablation: base_loss; all layers and per layer: dNLL, interval, KL, top-1.
+    """
 
     model: dict  # path, n_layers, forms (one per block: sequential or parallel)
     windows: dict  # calibration and (when losses ran) evaluation: corpus, count, seq_len, tokens
@@ -84,10 +97,35 @@ class Diagnosis:
 
 
 def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | None = None, **kwargs) -> Diagnosis:
-    """Run the selected diagnostics (keyword arguments: see _diagnose); return them as a Diagnosis (`to_json()`:
-    the report, see surgery/report.schema.json). workers / ray: score the windows on a local Ray cluster of that
-    many CPUs / on the Ray cluster at that address (cluster.py); the numbers are those of the in-process run, which
-    runs two jobs (windows, chunks of loss runs) at a time when ORT picks the threads (cluster.concurrency)."""
+    """Run the selected diagnostics and return them as a Diagnosis (`to_json()`: the report, see surgery/report.schema.json).
+
+    Scores and the compensation fit stream over the calibration windows; losses use the disjoint evaluation windows. With workers / ray the numbers
+    are those of the in-process run, which runs two jobs (windows, chunks of loss runs) at a time when ORT picks the threads (cluster.concurrency).
+
+    Args:
+        model_path: the exported model: an .onnx file, or a folder holding one (and its tokenizer.json).
+        workers: score the windows on a local Ray cluster of that many CPUs (cluster.py); None: in this process.
+        ray: score them on the Ray cluster at that address instead.
+        **kwargs (Any): the keyword arguments below.
+
+    Keyword Args:
+        corpus (str | Path | None): a .txt or .jsonl corpus; None: the built-in one (see `windows`).
+        seq_len (int): tokens per window (default 256).
+        windows (int): calibration windows, for the scores and the fit (default 4).
+        eval_windows (int): evaluation windows, for the losses (default 4).
+        only (tuple[str, ...]): the sections to run, of SECTIONS (default: all of them).
+        critical_seeds (int): data seeds of each layer's critical-point search (default 4; at least 1).
+        tokenizer (str | Path | None): a tokenizer.json (or its folder) when the model's folder has none.
+        options (runtime.Options): ONNX Runtime session options (with the analysis graphs' buffer plan off: runtime.analysis).
+        progress (Callable[[str, int, int], None] | None): called as progress(stage, done, total).
+        seed (int): of the prefix sensitivity's random draws (default 0).
+
+    Returns:
+        The Diagnosis: one field per report.json section that ran, with the model, the windows and each step's seconds.
+
+    Raises:
+        SurgeryError: an unknown section, fused blocks, critical_seeds below 1, a Ray cluster it cannot use, or what `load` and `windows` raise.
+    """
     options = runtime.analysis(kwargs.pop("options", runtime.Options()))
     with cluster.pool(workers, ray, concurrent=cluster.concurrency(options), device=options.device) as pool:
         return _diagnose(model_path, pool=pool, options=options, **kwargs)
@@ -425,9 +463,8 @@ def switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozens
 
 
 class LossWindows:
-    """The switchboard's scoring session (here or on a Ray actor): a window's unchanged run, which keeps each
-    block's resid_post, then runs of it with one (kind, layer) switched on, a single-layer run resuming at
-    its block from what the unchanged run kept (when it can)."""
+    """The switchboard's scoring session (here or on a Ray actor): a window's unchanged run, which keeps each block's resid_post, then runs of it with one
+    (kind, layer) switched on, a single-layer run resuming at its block from what the unchanged run kept (when it can)."""
 
     def __init__(self, model, kinds, n_layers: int, resume: resumable.Resumable | None, options: runtime.Options):
         self.kinds, self.n, self.resume = kinds, n_layers, resume

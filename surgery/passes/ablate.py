@@ -98,7 +98,26 @@ ABLATE = register(Ablate())
 def ablate(model, branch: Branch, mode: Mode, layers: Collection[int], scale: float | None = None, keep_sink: bool = False) -> SurgeryResult:
     """Replace the selected blocks' `branch` output in the residual add by its `mode` part (Ablate).
 
-    keep_sink: tokens at position 0 (the attention sink) keep the whole branch output.
+    The part is taken per token, relative to the direction of the stream the branch reads: v = resid_mid / |resid_mid|
+    for the mlp (resid_pre in a parallel block), u = resid_pre / |resid_pre| for attention (module docstring). Only the
+    residual add reads the edited output; a block whose branch went through the same edit already is left alone.
+
+    Args:
+        model (ir.Model | Subject): an `onnx_ir.Model`, or a Subject (from `load`, or a result's `.subject`); it is not modified.
+        branch: `attn` (attn_out) or `mlp` (mlp_out).
+        mode: what the residual add receives of the branch output B, with d the direction above: `tangential`
+            (B - <d,B> d), `radial` (<d,B> d), `remove` (nothing) or `scale` (scale * B).
+        layers: the blocks to edit, by index from 0; negative ones count from the end.
+        scale: the factor of mode `scale` (finite; required there, and only there).
+        keep_sink: tokens at position 0 (the attention sink) keep the whole branch output.
+
+    Returns:
+        A SurgeryResult: the new model, one Change per selected block in order (the edit, e.g. `mlp tangential`, or
+        why it was left alone), and the rewritten subject.
+
+    Raises:
+        SurgeryError: an unknown branch or mode, a missing, non-finite or misplaced `scale`, a layer out of range or a
+            fused block (before any work), or `keep_sink` on a graph with neither a position_ids nor an input_ids input.
     """
     return rewrite(model, ABLATE, layers, Ablation(branch, mode, scale, keep_sink))
 

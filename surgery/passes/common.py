@@ -34,7 +34,14 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-    """One block's edit, or why the block was left alone."""
+    """One block's edit, or why the block was left alone.
+
+    Attributes:
+        layer: the block, by index from 0.
+        what: the edit in words (`ln2 reads resid_pre`, `mlp tangential`), or why the block was left alone
+            (`already parallel`).
+        applied: the block was rewritten; False: it was left alone, as `what` says.
+    """
 
     layer: int
     what: str
@@ -44,7 +51,13 @@ class Change:
 @dataclasses.dataclass(frozen=True)
 class SurgeryResult:
     """The rewritten model (a new object; the input is untouched), one Change per selected block, and the rewritten
-    subject (its blocks as they are now: hand it to the next pass instead of the model)."""
+    subject (its blocks as they are now: hand it to the next pass instead of the model).
+
+    Attributes:
+        model: the rewritten `onnx_ir.Model`; write it with `surgery.write` (or `save`), or measure it.
+        changes: one Change per selected block, in layer order.
+        subject: the rewritten Subject (its `.model` is `model`); None only when the result was made without one.
+    """
 
     model: ir.Model
     changes: tuple[Change, ...]
@@ -52,6 +65,7 @@ class SurgeryResult:
 
     @property
     def changed_layers(self) -> tuple[int, ...]:
+        """The layers whose Change was applied (the rest were left alone), in order."""
         return tuple(c.layer for c in self.changes if c.applied)
 
 

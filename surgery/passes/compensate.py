@@ -99,8 +99,29 @@ class Compensate(Pass):
 COMPENSATE = register(Compensate())
 
 
-def compensate(model, fixes: Mapping[int, Fix]) -> SurgeryResult:
-    """Make each block in `fixes` (by layer; negative ones count from the end) a compensated parallel block."""
+def compensate(model: "ir.Model | Subject", fixes: Mapping[int, Fix]) -> SurgeryResult:
+    """Make each block in `fixes` (by layer; negative ones count from the end) a compensated parallel block.
+
+    Each block is parallelized (ln2 reads resid_pre) and its Fix folded into its weights (module docstring):
+    resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b, with the ops of the plain parallel block (and a
+    bias Add where a projection had none and the fix gives one). New weights are new initializers: an external data
+    file is never modified. A block compensated already is reported and left alone.
+
+    Args:
+        model: an `onnx_ir.Model`, or a Subject (from `load`, or a result's `.subject`); it is not modified.
+        fixes: layer -> the Fix to fold in, e.g. `{layer: f.fix for layer, f in surgery.fit(...).items()}`;
+            Fix.gate(alpha) gives the calibrated block. Only these layers are rewritten.
+
+    Returns:
+        A SurgeryResult: the new model, one Change per block in `fixes`, in layer order (what was folded where, or why
+        it was left alone), and the rewritten subject.
+
+    Raises:
+        SurgeryError: before any work, a layer out of range or a block that cannot be compensated: fused, parallel in
+            the model as exported, normalising its branch outputs (Gemma 2, OLMo 2), or with MatMulNBits weights that
+            cannot be read as arrays; while rewriting, an output projection that is not a MatMul, Gemm or MatMulNBits
+            with constant weights, or a fix with an input side where there are no mlp input projections to fold it into.
+    """
     subject = Subject.of(model)
     fixes = {checked(layer, subject.n_layers): fix for layer, fix in fixes.items()}
     return rewrite(subject, COMPENSATE, fixes, Compensation(fixes))

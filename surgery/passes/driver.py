@@ -24,10 +24,25 @@ from surgery.subject import Subject
 
 def rewrite(model: "ir.Model | Subject", p: Pass | str, layers: Collection[int], args: Any = None) -> SurgeryResult:
     """Apply pass `p` (or its name) with `args` to the blocks `layers` (negative ones count from the end) of a copy of
-    `model`; the input is not modified.
+    `model`; the input is not modified. Exported as `surgery.apply_pass`.
+
+    Each chosen block, in layer order, first gets the passes `p` names in `before` (compensate and fuse: parallelize)
+    and then `p`; a block that has the rewrite already is reported and left alone. New nodes are tagged with the pass
+    and the block, and each pass that changed a block appends to the model's history.
+
+    Args:
+        model: an `onnx_ir.Model`, or a Subject (from `load`, or a result's `.subject`: its blocks are not found again).
+        p: a registered pass or its name: `parallelize`, `compensate`, `ablate`, `fuse` (surgery.passes.PASSES).
+        layers: the blocks to rewrite, by index from 0; negative ones count from the end.
+        args: the pass's arguments, of its `Args` type (e.g. `Ablation("mlp", "remove")`); None for a pass that takes
+            none (parallelize) or where its defaults do (fuse).
+
+    Returns:
+        A SurgeryResult: the new model, one Change of `p` per chosen block in layer order, and the rewritten subject.
 
     Raises:
-        SurgeryError: a chosen block the pass (or one it runs first) refuses, before any work.
+        SurgeryError: no pass of that name, a layer out of range, or a chosen block the pass (or one it runs first)
+            refuses, all before any work; or a rewrite that fails on a block (the input is untouched then too).
     """
     p = _named(p)
     subject = Subject.of(model).clone()

@@ -77,7 +77,29 @@ FUSE = register(Fuse())
 
 
 def fuse(model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None) -> SurgeryResult:
-    """Rewrite each selected block into the fused parallel form (Fuse); `fixes`: see Fusion."""
+    """Rewrite each selected block into the fused parallel form (Fuse); `fixes`: see Fusion.
+
+    One normalisation of resid_pre feeds one MatMul of [q | k | v | mlp in], and one MatMul of [o ; mlp out] computes
+    attn_out + mlp_out, the ln scales (and LayerNorm biases) folded into the weights (on MatMulNBits weights the scales
+    stay Muls): the parallel block up to float error (module docstring). Sequential blocks are parallelized first; a fused block is reported and left alone.
+
+    Args:
+        model (ir.Model | Subject): an `onnx_ir.Model`, or a Subject (from `load`, or a result's `.subject`); it is not modified.
+        layers: the blocks to fuse, by index from 0; negative ones count from the end.
+        fixes: layer (from 0) -> a Fix folded into [W_o ; W_down] and the output bias, as `compensate` folds it:
+            the compensated fused block, or with Fix.gate(alpha) the calibrated one. Selected layers without one are
+            fused plain; fixes of other layers are not used.
+
+    Returns:
+        A SurgeryResult: the new model, one Change per selected block in order, and the rewritten subject (its
+        blocks found again: fusing a block renames the next block's resid_pre).
+
+    Raises:
+        SurgeryError: before any work, a layer out of range or a block that cannot be fused (its normalisations or
+            projections not of a form the pass reads, ln1 and ln2 of different kinds or epsilons, branch outputs that
+            are normalised, MatMulNBits weights it cannot join without requantizing); while rewriting, a fix with an
+            mlp input side on a MatMulNBits block.
+    """
     return rewrite(model, FUSE, layers, Fusion(dict(fixes or {})))
 
 

@@ -49,7 +49,24 @@ PARALLELIZE = register(Parallelize())
 
 
 def parallelize(model, layers: Collection[int]) -> SurgeryResult:
-    """Make each selected sequential block parallel (Parallelize): resid_post = resid_pre + attn_out + mlp(ln2(resid_pre))."""
+    """Make each selected sequential block parallel (Parallelize): resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)).
+
+    The mlp branch reads resid_pre instead of resid_mid; the residual adds, attention and the KV cache are untouched,
+    and the weights are shared with the input, not copied. A block that is parallel already is reported and left alone.
+
+    Args:
+        model (ir.Model | Subject): an `onnx_ir.Model`, or a Subject (from `load`, or a result's `.subject`: its blocks are not found again).
+            It is not modified: the pass rewrites a copy.
+        layers: the blocks to make parallel, by index from 0; negative ones count from the end.
+
+    Returns:
+        A SurgeryResult: the new model, one Change per selected block in order ("ln2 reads resid_pre", or why it
+        was left alone), and the rewritten subject.
+
+    Raises:
+        SurgeryError: a layer out of range (before any work), or a block whose ln2 shares a node with the residual
+            add that cannot be copied (a graph shape to report).
+    """
     return rewrite(model, PARALLELIZE, layers)
 
 
