@@ -11,7 +11,7 @@ from surgery.analysis import probe as probe_graph
 from surgery.analysis import resumable as resumable_graph
 from surgery.blocks import find_blocks
 from surgery.cli import app
-from surgery.diagnostics import diagnose, prefix
+from surgery.diagnostics import SECTIONS, diagnose, prefix
 from surgery.diagnostics.diagnose import PARALLEL, ablation_kind, switch_losses
 from surgery.diagnostics.rank import spearman
 from surgery.passes import ablate, compensate, parallelize
@@ -188,7 +188,8 @@ def test_parallel_blocks_report_defect_as_not_applicable(fixture_path):
     assert report.defect["dnll_parallel"] == [None] * 3 and report.gate["alpha"] == [None] * 3
     assert report.defect["dnll_parallel_interval"] == [None] * 3
     assert report.diversity["d_attn"] == [None] * 3 and all(v is not None for v in report.diversity["d_block"])
-    assert report.deficit is None and list(report.to_json()) == ["tool", "model", "windows", "seconds", "diversity", "defect", "gate"]
+    sections = [key for key in report.to_json() if key in SECTIONS]  # the sections that ran, in report.json's order
+    assert report.deficit is None and sections == ["diversity", "defect", "gate"]
 
 
 def test_field_graph_is_the_torch_mlp_of_ln2(tiny_export):
