@@ -62,6 +62,11 @@ class FitResult:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fix"}
 
 
+def fixes(fits: dict[int, FitResult]) -> dict[int, Fix]:
+    """The fitted fix of each layer, by layer (a layer whose fit gave none left out)."""
+    return {layer: f.fix for layer, f in fits.items() if f.fix is not None}
+
+
 class _Sums:
     """One block's running sums of a ridge least squares target ~ z W (z's last column 1), per fold, in float64."""
 

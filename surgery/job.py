@@ -16,7 +16,7 @@ from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
 from surgery.passes.fuse import refusal as fuse_refusal
 from surgery.report import selection_picture
-from surgery.select import Budget, Fit, Progress, Selection, select_layers
+from surgery.select import Fit, Progress, Selection, select_layers
 from surgery.subject import Subject
 
 
@@ -69,6 +69,7 @@ class Outcome:
         data["dnll_eval"] = self.dnll_eval.dnll
         data["dnll_eval_interval"] = [self.dnll_eval.low, self.dnll_eval.high]
         data["divergence_eval"] = self.divergence_eval.to_json()
+        data["budget"] = dataclasses.asdict(self.selection.budget)  # the limits the picture draws
         return data
 
 
@@ -147,7 +148,7 @@ def auto(
     outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
                       prefill, decode, timing, described, str(times.placement))
     report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
-    saved = {**outcome.to_json(), "budget": dataclasses.asdict(greedy.get("budget", Budget()))}  # the picture draws its limits
+    saved = outcome.to_json()
     extra = {report: json.dumps(saved, indent=2), Path(report).with_suffix(".png").name: selection_picture(saved)}
     written = graph.write(rewritten, out, like=model_path, extra=extra)
     return outcome, written

@@ -4,7 +4,7 @@ Structure: `write` (the folder) and `summary` (the headline numbers) take diagno
 below them reads its report.json form (`Diagnosis.to_json()`): `markdown` (the summary, ablation and per-layer
 tables), `_html` (the same page as HTML), `_plots` (one `_plot_<section>` per section that ran, saved by `_save`),
 and the number formatting (`interval`, `with_interval`, `_fmt`). `selection_picture` draws the main job's
-selection.json (`Outcome.to_json()` plus its budget) as the PNG written beside it.
+selection.json (`Outcome.to_json()`, its budget included) as the PNG written beside it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from surgery.analysis.probe import defect_scores
 from surgery.blocks import BlockMap
 from surgery.data import Windows
 from surgery.equations import FitResult
+from surgery.equations import fixes as fixes_of
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix
@@ -142,6 +143,7 @@ class Selection:
         fit_memory: the bytes one fit pass's normal equations could take (--fit-memory); None without a fit.
         requantize: how the codes of chosen compensated MatMulNBits blocks were chosen; None when there is none.
         blocks_run: blocks the forward passes ran (a resumed trial runs the blocks from its start on; the rest all).
+        budget: the limits the chosen set was held to.
     """
 
     layers: tuple[int, ...]
@@ -167,6 +169,7 @@ class Selection:
     fit_memory: int | None = None  # the bytes one fit pass's normal equations could take (--fit-memory)
     requantize: str | None = None  # how chosen compensated MatMulNBits blocks' codes were chosen (None: none is chosen)
     blocks_run: int = 0  # blocks the forward passes ran (a resumed trial runs the blocks from its start on; the rest all)
+    budget: Budget = Budget()  # the limits the chosen set was held to
 
     @property
     def uncompensated(self) -> dict[int, str]:
@@ -313,7 +316,7 @@ def select_layers(
 
     start = time.perf_counter()
     candidates, rank = _candidates(blocks, stats, score, protect_first, protect_last)
-    runs = Trials(model, {l: f.fix for l, f in fits.items() if f.fix is not None}, windows, candidates, pool, options)
+    runs = Trials(model, fixes_of(fits), windows, candidates, pool, options)
     chosen = _greedy(runs, candidates, rank, fits, budget, max_layers=max_layers, patience=patience, try_both=try_both, tell=tell)
     seconds["selection"] = time.perf_counter() - start
 
@@ -324,7 +327,7 @@ def select_layers(
                        requantize=requantize, seconds=fit_seconds, tell=tell)
         seconds["refit"] = time.perf_counter() - start
     return _selection(model, chosen, stats, fits, runs, again, score=score, fit=fit, fit_passes=fit_passes, fit_seconds=fit_seconds,
-                      seconds=seconds, candidates=len(candidates), fit_memory=memory, requantize=requantize)
+                      seconds=seconds, candidates=len(candidates), fit_memory=memory, requantize=requantize, budget=budget)
 
 
 def _score(score: Score | None, fit: Fit | None, fit_windows: Windows | None) -> Score:
@@ -422,13 +425,13 @@ def _refit(model: ir.Model, fit_windows: Windows, windows: Windows, chosen: _Cho
     """The chosen compensated blocks' fixes fitted again with every chosen block in place, and the chosen set's cost
     with them on the selection windows (the baseline run of `runs` reused); kept if that costs less."""
     compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
-    fixes = {l: f.fix for l, f in fits.items() if f.fix is not None}
+    fixes = fixes_of(fits)
     passes = compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
     again = compensation.fit(model, fit_windows, compensated, fixes=fixes, forms=chosen.forms, kind=fit, options=options, memory_bytes=memory, pool=pool,
                              requantize=requantize,
                              seconds=seconds, progress=lambda d, t: tell("refit", d, t))
     new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
-    new_fixes = {l: f.fix for l, f in new_fits.items() if f.fix is not None}
+    new_fixes = fixes_of(new_fits)
     refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs)
     d, kl, _ = refitted.loss(chosen.forms)
     kept = budget.cost(d, kl) < budget.cost(chosen.dnll, chosen.divergence)

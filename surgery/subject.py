@@ -126,14 +126,6 @@ class Subject:
             raise SurgeryError(f"found no token embedding table in {self.where} to read d_model from")
         return table[1]
 
-    def block(self, layer: int) -> BlockMap:
-        """The BlockMap of block `layer` (`blocks[layer]`: a negative layer counts from the end)."""
-        return self.blocks[layer]
-
-    def value(self, name: str) -> ir.Value:
-        """The main graph's value named `name` (`values[name]`; KeyError when there is none)."""
-        return self.values[name]
-
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
         """What a pass makes once per rewrite of this subject (a mask every block reads), made on first use.
 

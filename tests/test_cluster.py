@@ -114,11 +114,13 @@ def test_fit_on_a_local_2_cpu_ray_cluster_equals_the_in_process_fit(fixture_path
     side runs on 5 of the 7 windows, split between the actors as the output side's 7 are."""
     pytest.importorskip("ray")
     from surgery import compensation, data, graph
+    from surgery.equations import NormalEquations
+    from surgery.facts import embedding_table
 
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=16, max_windows=7, part="calibration")  # 7: the actors' runs differ in length
-    bound = 3 * compensation.NormalEquations.nbytes(compensation.embedding_table(model)[1])
+    bound = 3 * NormalEquations.nbytes(embedding_table(model)[1])
     here = compensation.fit(model, windows, memory_bytes=bound, input_windows=5)
     with cluster.pool(workers=2) as pool:
         # each chunk: the input side's pass and the output side's

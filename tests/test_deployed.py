@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from surgery import canonical, graph, metadata, nodes, ops, runtime
 from surgery.analysis import probe as probe_graph
-from surgery.analysis.fit_graph import kinds, switched
+from surgery.analysis.fit_graph import fit_graph, kinds, switched
 from surgery.blocks import find_blocks
 from surgery.cli import app
 from surgery.errors import SurgeryError
@@ -422,7 +422,7 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     finally:
         for hook in hooks:
             hook.remove()
-    graph_ = compensation.fit_graph(model, layers=[1])
+    graph_ = fit_graph(model, layers=[1])
     sums, *_ = compensation.Accumulator(graph_).run([1], IDS, 0, switched(3))
     for name, xs in seen.items():
         x = np.concatenate(xs, axis=0).reshape(-1, xs[0].shape[-1])

@@ -358,12 +358,13 @@ def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, 
 
 
 def test_fit_memory_sets_the_passes_and_the_fit_reports_its_time_split(fixture_path, tmp_path):
-    from surgery import compensation
+    from surgery.equations import NormalEquations
+    from surgery.facts import embedding_table
 
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=16, max_windows=4, part="calibration")
-    one_layer = compensation.NormalEquations.nbytes(compensation.embedding_table(model)[1])
+    one_layer = NormalEquations.nbytes(embedding_table(model)[1])
     tight = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory=one_layer)
     loose = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory="1G")
     assert (tight.fit_passes, loose.fit_passes) == (6, 2)  # each chunk: the input side's pass and the output side's

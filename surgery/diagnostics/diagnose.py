@@ -31,6 +31,7 @@ from surgery.diagnostics import critical as crit
 from surgery.diagnostics import prefix, stats
 from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
+from surgery.equations import fixes as fixes_of
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Ablation, Compensation
@@ -242,21 +243,16 @@ def _losses(model, blocks, ev: data.Windows, only, fits: dict, options, tell, po
     """The loss runs on the evaluation windows (switch_losses): each block alone parallel and compensated (for
     defect), each ablation per layer and at all layers, and the sink-keeping ablations at all layers (for ablation)."""
     sink_kinds = [ablation_kind(b, m, keep_sink=True) for b in BRANCHES for m in SINK_MODES] if "ablation" in only else []
-    kinds = ([PARALLEL, compensated_kind(_fixes(fits))] if "defect" in only else []) + (
+    kinds = ([PARALLEL, compensated_kind(fixes_of(fits))] if "defect" in only else []) + (
         [ablation_kind(b, m) for b in BRANCHES for m in ABLATION_MODES] if "ablation" in only else []
     ) + sink_kinds
-    return switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=_fixes(fits))
-
-
-def _fixes(fits: dict) -> dict:
-    """The fitted fixes by layer (a layer whose fit gave none left out)."""
-    return {l: f.fix for l, f in fits.items() if f.fix is not None}
+    return switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=fixes_of(fits))
 
 
 def _defect(scores: dict, fits: dict, losses: dict, n: int) -> dict:
     """The defect section: C_l and C_l^stream (the probe's `scores`), C_l^comp from the fit (a note where no fix
     was fitted), each block's single-layer parallel and compensated runs, and each score's Spearman against them."""
-    fixes = _fixes(fits)
+    fixes = fixes_of(fits)
     d = dict(scores)
     d["c_comp"] = [fits[l].c_comp if l in fixes else None for l in range(n)]
     d["c_comp_note"] = {str(l): f.note or "no fix" for l, f in sorted(fits.items()) if l not in fixes}
