@@ -431,7 +431,7 @@ def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
 
 
 def _fit_memory() -> int:
-    from surgery.compensation import memory_bound
+    from surgery.memory import memory_bound
 
     return memory_bound("auto")
 

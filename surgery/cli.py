@@ -28,9 +28,6 @@ app = typer.Typer(help="Find, rewrite and measure the transformer blocks of expo
 # Piped output is not wrapped, so tensor names stay whole for grep; a terminal folds long names.
 out = Console(width=None if sys.stdout.isatty() else 10_000)
 err = Console(stderr=True)
-_pm = lambda stats, label: f"{stats[label]:.3f} ± {stats[label + ' uncertainty']:.3f} %"  # llama.cpp's `x ± u %`
-
-
 _QUIET_ENV = {  # what the libraries we call read to stay quiet; set before they are imported
     "TRANSFORMERS_VERBOSITY": "error",  # transformers' and optimum's loggers (the tokenizer "legacy" notice, tied weights)
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
@@ -258,11 +255,13 @@ def parallelize(
     workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="auto: run the fit pass and the selection trials on the Ray cluster at ADDRESS.", rich_help_panel=CLUSTER)] = None,
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).", rich_help_panel=OUTPUT)] = ...,
+    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="auto: keep finished work in OUT.work beside the output; the same command run again after a fault resumes from it. Removed when the run finishes.", rich_help_panel=OUTPUT)] = True,
+    restart: Annotated[bool, typer.Option("--restart", help="auto: discard OUT.work (an interrupted run's work) and start over.", rich_help_panel=OUTPUT)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
-    from surgery import job, rewrite
+    from surgery import job, rewrite, summary
 
     explicit = layers.strip().lower() != "auto"
     fit, options, budget, fit_memory = _parallelize_settings(explicit, compensate, calibrate, threads, device, workers, ray,
@@ -278,7 +277,7 @@ def parallelize(
             fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
             protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
             tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray, fit_memory=fit_memory, requantize=requantize,
-            input_side=input_fix,
+            input_side=input_fix, checkpoints=checkpoints, restart=restart,
         )
     for layer, why in outcome.selection.uncompensated.items():
         err.print(f"[bold yellow]warning:[/] block {layer} was written plain parallel: its fix could not be made ({escape(why)})",
@@ -286,13 +285,13 @@ def parallelize(
     if as_json:
         print(json.dumps({"out": str(written), **outcome.to_json()}, indent=2))
         return
-    for key, value in _selection_lines(outcome, written, budget, repeats):
+    for key, value in summary.lines(outcome, written, budget, repeats):
         out.print(f"[bold]{key:>17}[/]  {escape(value)}", highlight=False)
 
 
 def _parallelize_settings(explicit, compensate, calibrate, threads, device, workers, ray, max_kl, max_loss_increase, fit_memory, requantize):
     """parallelize's options as the library takes them: fit, runtime options, budget, fit memory; a wrong one fails first."""
-    from surgery import compensation, rewrite, runtime, select
+    from surgery import compensation, memory, rewrite, runtime, select
 
     if explicit and (workers or ray):
         raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
@@ -301,51 +300,10 @@ def _parallelize_settings(explicit, compensate, calibrate, threads, device, work
     if device not in runtime.DEVICES or not (workers or ray):  # with Ray, the actors' device is the cluster's (cluster.pool)
         runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable
     budget = select.Budget.parse(max_kl, max_loss_increase)
-    fit_memory = compensation.memory_bound(fit_memory)
+    fit_memory = memory.memory_bound(fit_memory)
     if requantize not in compensation.REQUANTIZE:
         raise SurgeryError(f"--requantize {requantize!r}: choose one of {', '.join(compensation.REQUANTIZE)}")
     return fit, options, budget, fit_memory
-
-
-def _selection_lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]:
-    """parallelize --layers auto's report, (key, value) lines: what was chosen, what it cost, what it gives."""
-    from surgery.layers import format_layers
-
-    sel = outcome.selection
-    forms = sel.counts()
-    codes = {"gptq": "codes chosen error-aware", "nearest": "codes rounded to nearest"}.get(sel.requantize)
-    split = f": {forms['compensated']} compensated{f' (MatMulNBits {codes})' if codes else ''}, {forms['plain']} plain" if sel.fit else ""
-    w = outcome.windows
-    fit_line = f"{sel.fit_passes} fit pass{'es' if sel.fit_passes != 1 else ''} over {w['fit']['count']} fit windows{' (with the refit)' if sel.refit else ''}, " if sel.fit else ""
-    lines = [
-        ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
-        ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} of {sel.candidates} candidates tried, "
-                      f"{len(sel.trials)} trials, {len(sel.layers)} kept" + (f"; stopped: {sel.stopped}" if sel.stopped else "")),
-        ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''}"
-                           f"{_resumed(sel)})"),
-        ("budget", f"{budget} nats on the selection windows' point estimates" if budget.max_kl is not None or budget.max_loss_increase is not None
-                   else "none (--max-kl none, --max-loss-increase none)"),
-    ]
-    if sel.divergence is not None:
-        lines.append(("selection", f"KL {sel.divergence}, top-1 {100 * sel.divergence.top1:.1f} %, dNLL {sel.dnll} ({w['selection']['tokens']} tokens)"))
-    if sel.refit:
-        r = sel.refit
-        lines.append(("refit", f"KL {r['kl_before']['kl']:.4f} -> {r['kl_after']['kl']:.4f}, dNLL {r['dnll_before']['dnll']:+.4f} -> "
-                               f"{r['dnll_after']['dnll']:+.4f} on the selection windows: {'kept' if r['kept'] else 'not kept'}"))
-    lines += [
-        ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
-                       f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}; 95 % intervals, nats)"),
-        *([("llama.cpp", (f"Same top p {_pm(lc, 'Same top p')}, 99.9% KLD {lc['99.9% KLD']:.4f}, RMS Δp {_pm(lc, 'RMS Δp')} "
-                          "(evaluation windows; selection.json has all of `perplexity --kl-divergence`'s)"))] if (lc := outcome.divergence_eval.to_json().get("llama_cpp")) else []),
-        ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times"
-                              f"{f' on {outcome.estimate_placement}' if outcome.estimate_placement else ''})"),
-    ]
-    if outcome.prefill_ratio is not None:
-        decode = f", decode {outcome.decode_ratio:.3f}x" if outcome.decode_ratio else ""
-        lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
-    split = ", ".join(f"{k} {v:.0f} s" for k, v in sel.fit_seconds.items())
-    seconds = ", ".join(f"{k} {v:.0f} s" + (f" ({split})" if k == "fit" and split else "") for k, v in sel.seconds.items())
-    return lines + [("time", seconds), ("written", f"{written} (+ selection.json, selection.png)")]
 
 
 @_command("surgery ablate out/smollm2 --branch mlp --mode tangential --layers 0-2 -o out/smollm2-tangential")
@@ -400,7 +358,7 @@ def evaluate(
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side."""
     from surgery import evaluate as ev
-    from surgery import report, runtime
+    from surgery import report, runtime, summary
 
     with _progress() as tell:
         windows, rows = ev.side_by_side(
@@ -426,7 +384,7 @@ def evaluate(
             cells += ["-"] * 7
         else:
             cells += [f"{row['kl']:.4f}", escape(f"[{row['kl_interval'][0]:.4f}, {row['kl_interval'][1]:.4f}]"), f"{row['kl_p99']:.4f}",
-                      f"{100 * row['top1_agreement']:.1f} %", *([_pm(lc, "Same top p"), f"{lc['99.9% KLD']:.4f}", _pm(lc, "RMS Δp")]
+                      f"{100 * row['top1_agreement']:.1f} %", *([summary.pm(lc, "Same top p"), f"{lc['99.9% KLD']:.4f}", summary.pm(lc, "RMS Δp")]
                                                                  if (lc := row["llama_cpp"]) else ["-"] * 3)]
         if latency:
             cells += [escape(row["placement"]), f"{row['prefill_ms']:.2f}", "-" if row["decode_ms"] is None else f"{row['decode_ms']:.2f}",
@@ -478,12 +436,6 @@ def diagnose(
         table.add_row(key, escape(value))
     out.print(table)
     out.print(f"report -> {folder / 'report.html'}", highlight=False)
-
-
-def _resumed(sel) -> str:
-    """How much of the selection's passes resumed trials saved, when they did: `; trials resumed, 43 % of the blocks run`."""
-    whole = sel.forward_passes * (len(sel.c) or 1)
-    return f"; trials resumed, {100 * sel.blocks_run / whole:.0f} % of the blocks run" if 0 < sel.blocks_run < whole else ""
 
 
 def _short_names(paths: list[Path]) -> list[str]:

@@ -38,6 +38,8 @@ from threadpoolctl import threadpool_limits
 from surgery import runtime
 from surgery.errors import SurgeryError
 
+RETRIES = 3  # times Ray restarts a dead actor and runs its job again
+
 
 class Local:
     """One object in this process; `map` calls it job by job, `concurrent` jobs at a time, in job order."""
@@ -49,7 +51,8 @@ class Local:
         """A value many jobs read, handed over once (here: itself)."""
         return value
 
-    def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
+    def map(self, method: str, jobs: Sequence[tuple], unit: str = "", **common) -> Iterator:
+        """obj.method(*args, **common) for each job's args, results in job order; `unit` names the work (for Remote's errors)."""
         call = lambda args: getattr(self.obj, method)(*args, **common)  # noqa: E731
         if self.concurrent == 1:
             yield from map(call, jobs)
@@ -60,12 +63,15 @@ class Local:
 
 
 class Remote:
-    """Ray actors each holding one object; `map` spreads the jobs over them and returns results in job order."""
+    """Ray actors each holding one object; `map` spreads the jobs over them and returns results in job order.
 
-    def __init__(self, actors: list):
-        import ray.util
+    An actor that dies (its node taken back, killed for memory) is restarted by Ray, which builds its object again
+    and runs the job it was running again, up to RETRIES times; a job that still fails stops the run in one line
+    naming the job and the host it ran on."""
 
-        self._pool = ray.util.ActorPool(actors)
+    def __init__(self, actors: list, model):
+        self.actors, self.model = actors, model  # the model's reference, kept while the actors may need it (a restarted one loads it again)
+        self.hosts = [actor.host.remote() for actor in actors]  # asked once, while the actors live: named in errors
 
     def share(self, value: Any) -> Any:
         """A value many jobs read, put in Ray's object store once: a job argument that is the returned reference
@@ -74,16 +80,46 @@ class Remote:
 
         return ray.put(value)
 
-    def map(self, method: str, jobs: Sequence[tuple], **common) -> Iterator:
+    def map(self, method: str, jobs: Sequence[tuple], unit: str = "", **common) -> Iterator:
+        import ray
+
+        jobs, idle, running, done, first = list(jobs), list(range(len(self.actors))), {}, {}, 0
+        for i in range(len(jobs)):
+            while not idle:  # wait for an actor to finish a job, then hand it the next
+                [ready], _ = ray.wait(list(running), num_returns=1)
+                j, a = running.pop(ready)
+                done[j] = self._result(ready, method, j, a, unit)
+                idle.append(a)
+                while first in done:
+                    yield done.pop(first)
+                    first += 1
+            a = idle.pop(0)
+            running[self.actors[a].call.remote([self.model], method, jobs[i], common)] = (i, a)
+        for ref, (j, a) in sorted(running.items(), key=lambda item: item[1][0]):
+            done[j] = self._result(ref, method, j, a, unit)
+        while first in done:
+            yield done.pop(first)
+            first += 1
+
+    def _result(self, ref, method: str, job: int, actor: int, unit: str):
+        """A job's result; its failure as one line: a worker's SurgeryError as it said it, an actor that died too often named."""
+        import ray
         import ray.exceptions
 
-        results = self._pool.map(lambda actor, args: actor.call.remote(method, args, common), list(jobs))
         try:
-            yield from results
+            return ray.get(ref)
         except ray.exceptions.RayTaskError as e:  # a worker's SurgeryError is the user's one line, not Ray's traceback
             if isinstance(e.cause, SurgeryError):
                 raise SurgeryError(str(e.cause)) from None
             raise
+        except ray.exceptions.RayActorError:
+            try:
+                host = ray.get(self.hosts[actor], timeout=5)
+            except Exception:  # noqa: BLE001 - the actor never said: name what Ray knows
+                host = "an unknown host"
+            what = f"{unit} (job {job})" if unit else f"{method} job {job}"
+            raise SurgeryError(f"the Ray worker at {host} died {RETRIES + 1} times running {what}; check that host's memory and "
+                               "logs, and rerun (a main job resumes from its checkpoints)") from None
 
 
 @dataclasses.dataclass
@@ -126,8 +162,7 @@ class Pool:
             return Local(make(model), self.concurrent)
         import ray
 
-        portable = ray.put(runtime.Portable.of(model))
-        return Remote([_holder().options(num_gpus=self.gpus).remote(portable, make) for _ in range(self.workers)])
+        return Remote([_holder().options(num_gpus=self.gpus).remote(make) for _ in range(self.workers)], ray.put(runtime.Portable.of(model)))
 
 
 def concurrency(options: runtime.Options) -> int:
@@ -193,15 +228,22 @@ def _holder():
     """The Ray actor class, made on first use (importing ray is slow, and optional) and the same class after."""
     import ray
 
-    @ray.remote(num_cpus=1)
+    @ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)
     class Holder:
-        def __init__(self, portable: runtime.Portable, make):
-            try:
-                self.obj, self.failed = make(portable.load()), None
-            except SurgeryError as e:  # raised again at the first call, where the driver reads it (an actor that died could not say why)
-                self.obj, self.failed = None, _on_this_host(e)
+        def __init__(self, make):
+            self.make, self.obj, self.failed = make, None, None
 
-        def call(self, method: str, args: tuple, common: dict):
+        def host(self) -> str:
+            return socket.gethostname()
+
+        def call(self, model: list, method: str, args: tuple, common: dict):
+            """obj.method(*args, **common), obj made by make() from the model (model[0], a reference: in a list, so that
+            Ray hands it over unread) at the first call, and again at the first call after a restart."""
+            if self.obj is None and self.failed is None:
+                try:
+                    self.obj = self.make(ray.get(model[0]).load())
+                except SurgeryError as e:  # raised at every call, where the driver reads it
+                    self.failed = _on_this_host(e)
             if self.failed is not None:
                 raise self.failed
             args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)  # Remote.share's values

@@ -41,18 +41,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
-import re
 import time
 from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 import onnx_ir as ir
 
-from surgery import cluster, runtime
+from surgery import checkpoint, cluster, memory, runtime
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, Stage, fit_graph, fit_tap, switched
 from surgery.blocks import BlockMap
+from surgery.checkpoint import Checkpoints
 from surgery.data import Windows, spread
 from surgery.equations import RIDGES, FitResult, InputEquations, NormalEquations
 from surgery.errors import SurgeryError
@@ -61,8 +60,6 @@ from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
 from surgery.subject import Subject
 
-MEMORY_BYTES = 2 << 30  # the normal equations' bound when the available memory cannot be read (--fit-memory auto: a quarter of it)
-MEMORY_SHARE = 0.25
 REQUANTIZE = ("gptq", "nearest")  # how a fix folded into MatMulNBits weights chooses their codes (surgery.nbits)
 Progress = Callable[[int, int], None]
 Sums = dict[int, NormalEquations | InputEquations]  # one pass's sums, by layer
@@ -87,18 +84,19 @@ class Accumulator:
         streams: list[np.ndarray] | None = None,
         progress: Callable[[], None] | None = None,
         stage: Stage = "outputs",
+        into: Sums | None = None,
     ) -> tuple[Sums, list[np.ndarray], dict[str, float]]:
-        """The sums of `chunk`'s layers over the windows `ids` (row j is window first + j: fold (first + j) % 2); the
-        stream the graph hands on, per window; the seconds of forward and accumulate. streams: per window, the stream
-        into the pass's first block (when the graph resumes). stage `inputs`: the input side's sums (InputEquations)
-        of the layers whose graph has its taps (fit_graph(stage="inputs"))."""
+        """The sums of `chunk`'s layers over the windows `ids` (row j is window first + j: fold (first + j) % 2),
+        added to `into` when given; the stream the graph hands on, per window; the seconds of forward and accumulate.
+        streams: per window, the stream into the pass's first block (when the graph resumes). stage `inputs`: the
+        input side's sums (InputEquations) of the layers whose graph has its taps (fit_graph(stage="inputs"))."""
+        sums = {} if into is None else into
         if stage == "inputs":
-            return self._run_inputs(chunk, ids, first, switches, streams, progress)
-        sums: dict[int, NormalEquations] = {}
+            return self._run_inputs(chunk, ids, first, switches, streams, progress, sums)
         clock, handed = {"forward": 0.0, "accumulate": 0.0}, []
         inputs = {l: [w for w in INPUT_TAPS if fit_tap(l, w) in self.names] for l in chunk}  # as the fit graph has them
         names = [fit_tap(l, w) for l in chunk for w in FIT_TAPS + tuple(inputs[l])]
-        for j, out in self._windows(names, ids, switches, streams, clock, handed, progress):
+        for j, out in self._windows(names, ids, first, switches, streams, clock, handed, progress, stage):
             for layer in chunk:  # token 0, the attention sink, left out
                 attn_out, mlp_x, delta, resid_post = (out[fit_tap(layer, w)][0, 1:] for w in FIT_TAPS)
                 if layer not in sums:  # not setdefault: that would allocate a layer's sums on every window
@@ -107,12 +105,11 @@ class Accumulator:
                 sums[layer].update_inputs({w: out[fit_tap(layer, w)][0, 1:] for w in inputs[layer]})
         return sums, handed, clock
 
-    def _run_inputs(self, chunk, ids, first, switches, streams, progress):
+    def _run_inputs(self, chunk, ids, first, switches, streams, progress, sums):
         layers = [l for l in chunk if fit_tap(l, MLP_IN_TAPS[0]) in self.names]
-        sums: dict[int, InputEquations] = {}
         clock, handed = {"forward": 0.0, "accumulate": 0.0}, []
         names = [fit_tap(l, w) for l in layers for w in MLP_IN_TAPS]
-        for j, out in self._windows(names, ids, switches, streams, clock, handed, progress):
+        for j, out in self._windows(names, ids, first, switches, streams, clock, handed, progress, "inputs"):
             for layer in layers:  # token 0, the attention sink, left out
                 u, v = (out[fit_tap(layer, w)][0, 1:] for w in MLP_IN_TAPS)
                 if layer not in sums:
@@ -120,11 +117,12 @@ class Accumulator:
                 sums[layer].update((first + j) % 2, u, v)
         return sums, handed, clock
 
-    def _windows(self, names, ids, switches, streams, clock, handed, progress):
+    def _windows(self, names, ids, first, switches, streams, clock, handed, progress, stage):
         """Run the graph on each window, yielding (row, outputs by name) of `names`: the stream it hands on appended
         to `handed`, the run's seconds to clock["forward"] and, until the next window, the caller's to clock["accumulate"]."""
         fetch = names + ([STREAM] if self.hands_on else [])
         for j in range(len(ids)):
+            checkpoint.reached(f"fit {stage} window {first + j}")
             extra = {board_graph.SWITCHES: switches, **({RESUME: streams[j]} if self.resumes else {})}
             feed = runtime.feeds(self.session, ids[j : j + 1], extra=extra)
             start = time.perf_counter()
@@ -212,6 +210,7 @@ class _Runner:
     clock: dict[str, float]
     progress: Progress | None
     total: int
+    work: Checkpoints
     done: int = 0
 
     def tick(self, count: int = 1) -> None:
@@ -219,22 +218,35 @@ class _Runner:
         if self.progress:
             self.progress(self.done, self.total)
 
-    def run(self, graph: ir.Model, chunk: list[int], streams: list[np.ndarray] | None, stage: Stage, rows: np.ndarray
+    def run(self, graph: ir.Model, chunk: list[int], streams: list[np.ndarray] | None, stage: Stage, rows: np.ndarray, unit: str
             ) -> tuple[Sums, list[np.ndarray]]:
         """One pass of `graph` over the windows `rows` (indices, in order): the chunk's sums, added in window order,
-        and the streams handed on. Row j of `rows` is in fold j % 2."""
+        and the streams handed on. Row j of `rows` is in fold j % 2. In this process, the pass resumes from and keeps
+        snapshots of its sums as `unit` (when `work.due()`); on Ray, an actor that dies is restarted and its run redone."""
 
         def job(first: int, r: np.ndarray, progress) -> tuple:  # Accumulator.run's arguments for the rows r
             return chunk, self.windows.ids[r], first, self.switches, None if streams is None else [streams[i] for i in r], progress, stage
 
-        if self.pool.distributed:  # one contiguous run of the rows per actor
-            runs = [(int(p[0]), rows[p]) for p in np.array_split(np.arange(len(rows)), self.pool.workers) if len(p)]
-            actors = self.pool.actors(graph, functools.partial(Accumulator, options=self.pool.options(self.options)))
-            parts = actors.map("run", [job(a, r, None) for a, r in runs])
-        else:
-            runs = [(0, rows)]
-            parts = [Accumulator(graph, self.options).run(*job(0, rows, self.tick))]
-        return self._gather(runs, parts)
+        if not self.pool.distributed:
+            return self._local(Accumulator(graph, self.options), job, rows, unit)
+        runs = [(int(p[0]), rows[p]) for p in np.array_split(np.arange(len(rows)), self.pool.workers) if len(p)]  # one contiguous run per actor
+        actors = self.pool.actors(graph, functools.partial(Accumulator, options=self.pool.options(self.options)))
+        return self._gather(runs, actors.map("run", [job(a, r, None) for a, r in runs], unit=f"fit {stage} windows"))
+
+    def _local(self, accumulator: Accumulator, job, rows: np.ndarray, unit: str) -> tuple[Sums, list[np.ndarray]]:
+        """The pass in this process, window by window into the same sums (so a resumed pass adds the same numbers in
+        the same order), from the snapshot of `unit` when there is one."""
+        snapshot = self.work.load(unit) or {"done": 0, "sums": {}, "handed": []}
+        sums, handed, done = snapshot["sums"], snapshot["handed"], snapshot["done"]
+        self.tick(done)
+        for j in range(done, len(rows)):
+            _, stream, clock = accumulator.run(*job(j, rows[j : j + 1], self.tick), into=sums)
+            handed.extend(stream)
+            for key, value in clock.items():
+                self.clock[key] += value
+            if j + 1 < len(rows) and self.work.due():
+                self.work.save(unit, {"done": j + 1, "sums": sums, "handed": handed})
+        return sums, handed
 
     def _gather(self, runs: list[tuple[int, np.ndarray]], parts: list[tuple]) -> tuple[Sums, list[np.ndarray]]:
         """The runs' sums added, and their streams, in window order (in process: one run, all rows)."""
@@ -265,7 +277,7 @@ def fit(
     forms: Mapping[int, Form] | None = None,
     kind: str = "full",
     ridges: Collection[float] = RIDGES,
-    memory_bytes: int = MEMORY_BYTES,
+    memory_bytes: int = memory.MEMORY_BYTES,
     options: runtime.Options = runtime.Options(),
     pool: cluster.Pool | None = None,
     progress: Progress | None = None,
@@ -273,6 +285,7 @@ def fit(
     requantize: str = "gptq",
     input_side: bool = True,
     input_windows: int | None = None,
+    work: Checkpoints | None = None,
 ) -> dict[int, FitResult]:
     """Fit the fix of each sequential block in `layers` on `windows`: kind `full` (least squares) or `gate` (alpha_l).
 
@@ -300,6 +313,8 @@ def fit(
             pass of its own first; the output side then fits the defect the input-fixed mlp leaves. A block compensated while fitted keeps its input side.
         input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None): its equations have d_model + 1 unknowns
             per output, the output side's 2 d_model + 1, and its ridge is chosen on the same alternating folds of the windows it runs on.
+        work: where the fit keeps its finished units (each chunk's results, its input sides, snapshots of a pass's sums) and resumes from them
+            (surgery.checkpoint; None: nothing kept). A resumed fit gives the same fixes, bit for bit, as one that ran through.
 
     Returns:
         layer -> FitResult for each fitted block ({} when there is none): the fix (None when the fit failed or cannot be folded; note says why), the
@@ -316,40 +331,58 @@ def fit(
         clock.setdefault(key, 0.0)
     if input_windows is not None and input_windows < 1:
         raise SurgeryError(f"input_windows {input_windows}: give a whole number of at least 1")
-    pool = pool or cluster.Pool()
+    pool, work = pool or cluster.Pool(), work or Checkpoints.off()
     plan = _plan(Subject.of(model), windows, layers, fixes, forms, kind, memory_bytes, pool, requantize, input_side, input_windows)
     if plan is None:
         return {}
-    switches = switched(len(plan.blocks), forms)
-    runner = _Runner(windows, switches, pool, options, clock, progress, plan.runs)
+    if (kept := work.load("chunks")) is not None:  # the chunks the interrupted run fitted (the memory bound may read otherwise now)
+        plan = dataclasses.replace(plan, chunks=kept)
+    work.save("chunks", plan.chunks)
+    runner = _Runner(windows, switched(len(plan.blocks), forms), pool, options, clock, progress, plan.runs, work)
     results: dict[int, FitResult] = {}
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
     for c, chunk in enumerate(plan.chunks):
+        if (done := work.load(f"chunk-{c}")) is not None:
+            results.update(done["results"])
+            streams = done["streams"]
+            runner.tick(len(plan.rows) + (len(plan.input_rows) if plan.sides.intersection(chunk) else 0))
+            continue
         resume, hand_on = chunk[0] if c else None, plan.chunks[c + 1][0] if c + 1 < len(plan.chunks) else None
-        input_sides = _fit_input_sides(plan, runner, chunk, resume, streams, ridges)
+        input_sides = _fit_input_sides(plan, runner, c, resume, streams, ridges)
         graph = fit_graph(plan.subject, plan.fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq",
                           input_sides={l: side for l, (side, _) in input_sides.items()})
-        sums, streams = runner.run(graph, chunk, streams, "outputs", plan.rows)
+        sums, streams = runner.run(graph, chunk, streams, "outputs", plan.rows, f"chunk-{c}-outputs")
         del graph
         start = time.perf_counter()
-        results.update(_solve(plan, chunk, sums, kind, ridges, input_sides))
+        solved = _solve(plan, chunk, sums, kind, ridges, input_sides)
         clock["solve"] += time.perf_counter() - start
         del sums
+        work.save(f"chunk-{c}", {"results": solved, "streams": streams})
+        work.drop(f"chunk-{c}-outputs")
+        results.update(solved)
     return results
 
 
-def _fit_input_sides(plan: FitPlan, runner: _Runner, chunk: list[int], resume: int | None,
+def _fit_input_sides(plan: FitPlan, runner: _Runner, c: int, resume: int | None,
                      streams: list[np.ndarray] | None, ridges) -> dict[int, tuple[Fix, float]]:
-    """The input side's pass over the chunk's layers that get one, from the same stream as the output side's (which
-    hands it on), and its solve: per layer, the input side and its held-out residual fraction."""
+    """The input side's pass over chunk c's layers that get one, from the same stream as the output side's (which
+    hands it on), and its solve: per layer, the input side and its held-out residual fraction (a checkpoint unit)."""
+    chunk = plan.chunks[c]
     sided = [l for l in chunk if l in plan.sides]
     if not sided:
         return {}
-    sums, _ = runner.run(fit_graph(plan.subject, plan.fixes, sided, resume=resume, stage="inputs"), chunk, streams, "inputs", plan.input_rows)
+    if (done := runner.work.load(f"chunk-{c}-input-sides")) is not None:
+        runner.tick(len(plan.input_rows))
+        return done
+    graph = fit_graph(plan.subject, plan.fixes, sided, resume=resume, stage="inputs")
+    sums, _ = runner.run(graph, chunk, streams, "inputs", plan.input_rows, f"chunk-{c}-inputs")
     start = time.perf_counter()
     solved = {layer: sums[layer].solve(ridges) for layer in sided}
     runner.clock["solve"] += time.perf_counter() - start
-    return {layer: side for layer, side in solved.items() if side is not None}
+    sides = {layer: side for layer, side in solved.items() if side is not None}
+    runner.work.save(f"chunk-{c}-input-sides", sides)
+    runner.work.drop(f"chunk-{c}-inputs")
+    return sides
 
 
 def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], kind: str, ridges,
@@ -421,7 +454,7 @@ def requantized(values: dict[str, ir.Value], block: BlockMap, fix: Fix, grams: d
     return dataclasses.replace(fix, packed=packed)
 
 
-def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, memory_bytes: int = MEMORY_BYTES, pool: cluster.Pool | None = None,
+def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, memory_bytes: int = memory.MEMORY_BYTES, pool: cluster.Pool | None = None,
            requantize: str = "gptq", kind: str = "full", input_side: bool = True) -> int:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None), nothing
     compensated yet: one per chunk of layers, and one more for each chunk with an input side to fit."""
@@ -441,43 +474,6 @@ def _input_sided(subject: Subject, layers: Collection[int], skip: Collection[int
     model, values, blocks = subject.model, subject.values, subject.blocks
     return {l for l in layers if l not in skip and _no_fold(model, blocks[l]) is None
             and not isinstance(projection.mlp_inputs(model, values, blocks[l]), str)}
-
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def memory_bound(text: str | int | None) -> int:
-    """--fit-memory: bytes the normal equations of one pass may take: `auto` (a quarter of the memory available
-    now, at least 256 MiB), or a size such as 512M, 4G, 1.5GiB."""
-    if text is None or str(text).strip().lower() == "auto":
-        free = available_memory()
-        return MEMORY_BYTES if free is None else max(int(MEMORY_SHARE * free), 256 << 20)
-    if isinstance(text, int):
-        size = text
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-        if match is None:
-            raise SurgeryError(f"cannot read --fit-memory {text!r}: give a size such as 512M or 4G, or auto")
-        size = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if size <= 0:
-        raise SurgeryError(f"--fit-memory {text!r}: give a positive size such as 512M or 4G, or auto")
-    return size
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation now: Linux's MemAvailable (free memory and the page cache
-    it can drop, such as the model files just read), else the free pages; None when neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _no_fold(model: ir.Model, block: BlockMap) -> str | None:

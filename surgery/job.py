@@ -9,8 +9,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import cluster, compensation, data, evaluate, graph, runtime
+from surgery import __version__, cluster, compensation, data, evaluate, graph, memory, runtime
 from surgery.blocks import BlockMap
+from surgery.checkpoint import Checkpoints, digest, file_digest
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
@@ -26,7 +27,7 @@ def fit_fixes(model: ir.Model, model_path, layers, *, fit: Fit = "full", corpus=
     """The fixes of the given sequential blocks, fitted in one pass over calibration windows (explicit --layers).
     A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
     windows = data.windows(model_path, corpus, seq_len=seq_len, max_windows=fit_windows, part="calibration", tokenizer=tokenizer)
-    fits = compensation.fit(model, windows, set(layers), kind=fit, options=options, memory_bytes=compensation.memory_bound(fit_memory),
+    fits = compensation.fit(model, windows, set(layers), kind=fit, options=options, memory_bytes=memory.memory_bound(fit_memory),
                             requantize=requantize, input_side=input_side)
     for layer, f in sorted(fits.items()):
         if f.fix is None:
@@ -62,6 +63,7 @@ class Outcome:
     latency: dict | None
     windows: dict  # fit / selection / evaluation: count and tokens
     estimate_placement: str | None = None  # where the estimate's kernels were profiled: the latency's device
+    resumed: dict[str, int] = dataclasses.field(default_factory=dict)  # finished units read back from the work folder, by step
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -91,6 +93,8 @@ def auto(
     progress: Progress | None = None,
     workers: int | None = None,
     ray: str | None = None,
+    checkpoints: bool = True,
+    restart: bool = False,
     **greedy,
 ) -> tuple[Outcome, Path]:
     """Select, rewrite, measure and write: the main job (`surgery parallelize --layers auto`).
@@ -112,6 +116,9 @@ def auto(
         progress: called as progress(stage, done, total) as each stage advances.
         workers: score the selection's trials and the fit pass on a local Ray cluster of that many CPUs (the evaluation stays in this process).
         ray: the same on the Ray cluster at that address.
+        checkpoints: keep the finished units (the fit's, each trial's, the evaluation's) in the work folder `OUT.work` beside the output, and
+            resume from it when it holds an interrupted run of the same model, windows and options (surgery.checkpoint); a finished run removes it.
+        restart: discard that work folder first instead of resuming from it.
         **greedy (Any): how select_layers chooses: score, budget, max_layers, patience, protect_first, protect_last, try_both, refit, fit_memory, ...
 
     Returns:
@@ -119,7 +126,7 @@ def auto(
 
     Raises:
         SurgeryError: `out` overwrites the input or cannot be written, a block cannot be fused (with `fused`; before any work), too small a corpus, or
-            what select_layers refuses.
+            what select_layers refuses, or a work folder of another run (without `restart`).
     """
     tell = progress or (lambda stage, done, total: None)
     subject = Subject(graph.load(model_path), str(model_path))  # read once: the selection, the rewrite and the measurements take it
@@ -133,12 +140,22 @@ def auto(
     else:
         fit_part, sel = None, get("calibration", windows)
     ev = get("evaluation", eval_windows)
+    work = Checkpoints.off()
+    if checkpoints:
+        parts = {"fit windows": fit_part, "selection windows": sel, "evaluation windows": ev}
+        fingerprint = {"surgery": __version__, "model": file_digest([graph.resolve(model_path), *graph.external_data_files(model)]),
+                       **{name: digest(w.ids) for name, w in parts.items() if w is not None}, "fit": fit, "fused": fused,
+                       "device": runtime.providers(options.device)[0], **{k: str(v) for k, v in greedy.items() if k != "fit_memory"}}
+        work = Checkpoints.open(out, fingerprint, restart=restart)
     with cluster.pool(workers, ray, device=options.device) as pool:
-        selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, **greedy)
+        selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, work=work, **greedy)
     rewritten = rewrite(subject, selection.layers, fused=fused, fixes=selection.fixes).model
     # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
-    step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
-    base, after = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
+    if (scored := work.load("evaluation")) is None:
+        step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
+        scored = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
+        work.save("evaluation", scored)
+    base, after = scored
     times = evaluate.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
     estimate = times.estimated_speedup(selection.layers)
     prefill = decode = timing = None
@@ -146,11 +163,12 @@ def auto(
         prefill, decode, timing = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell)
     described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
     outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
-                      prefill, decode, timing, described, str(times.placement))
+                      prefill, decode, timing, described, str(times.placement), work.resumed())
     report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
     saved = outcome.to_json()
     extra = {report: json.dumps(saved, indent=2), Path(report).with_suffix(".png").name: selection_picture(saved)}
     written = graph.write(rewritten, out, like=model_path, extra=extra)
+    work.finish()
     return outcome, written
 
 

@@ -32,11 +32,13 @@ from surgery import cluster, compensation, evaluate, runtime
 from surgery.analysis.fit_graph import Form
 from surgery.analysis.probe import defect_scores
 from surgery.blocks import BlockMap
+from surgery.checkpoint import Checkpoints
 from surgery.data import Windows
 from surgery.equations import FitResult
 from surgery.equations import fixes as fixes_of
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
+from surgery.memory import memory_bound
 from surgery.passes import Fix
 from surgery.subject import Subject
 from surgery.trials import Trials
@@ -268,6 +270,7 @@ def select_layers(
     fit_memory: int | str | None = None,
     requantize: str = "gptq",
     input_side: bool = True,
+    work: Checkpoints | None = None,
 ) -> Selection:
     """Greedy selection of blocks to parallelize (see the module docstring): the sequential blocks, ranked by a one-pass score
     (lowest first), are added one at a time while the whole chosen set stays within `budget` on the selection windows.
@@ -291,9 +294,10 @@ def select_layers(
         progress: called as progress(stage, done, total) while the fit (or the defect scores), the greedy and the refit run.
         pool: where the fit's windows and each trial's batches of selection windows are run (Ray actors, or this process).
         fit_memory: the bytes one fit pass's normal equations may take: a number, a size such as `4G`, or None / `auto` (a quarter of the memory available, at
-            least 256 MiB; compensation.memory_bound).
+            least 256 MiB; surgery.memory.memory_bound).
         requantize: how fixes folded into MatMulNBits weights choose their codes: `gptq` or `nearest` (compensation.REQUANTIZE).
         input_side: full fixes get an mlp input side where it folds (compensation.fit).
+        work: where the fit, the trials and the refit keep their finished units and resume from them (surgery.checkpoint; None: nothing kept).
 
     Returns:
         The Selection: the chosen layers and the form of each, every block's scores and fit, every trial, and the chosen set's dNLL and KL.
@@ -304,19 +308,20 @@ def select_layers(
     """
     score = _score(score, fit, fit_windows)
     tell = progress or (lambda stage, done, total: None)
+    work = work or Checkpoints.off()
     model = Subject.of(model)  # read once: the fit, the trials and the refit take it
     blocks = model.blocks
     seconds: dict[str, float] = {}
     fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
-    memory = compensation.memory_bound(fit_memory) if fit is not None else None
+    memory = memory_bound(fit_memory) if fit is not None else None
     start = time.perf_counter()
     fits, fit_passes, stats = _fit(model, len(blocks), windows, fit_windows, fit, options=options, pool=pool, memory=memory,
-                                   requantize=requantize, input_side=input_side, seconds=fit_seconds, tell=tell)
+                                   requantize=requantize, input_side=input_side, seconds=fit_seconds, tell=tell, work=work.scope("fit"))
     seconds["fit" if fit else "scores"] = time.perf_counter() - start
 
     start = time.perf_counter()
     candidates, rank = _candidates(blocks, stats, score, protect_first, protect_last)
-    runs = Trials(model, fixes_of(fits), windows, candidates, pool, options)
+    runs = Trials(model, fixes_of(fits), windows, candidates, pool, options, work=work.scope("trials"))
     chosen = _greedy(runs, candidates, rank, fits, budget, max_layers=max_layers, patience=patience, try_both=try_both, tell=tell)
     seconds["selection"] = time.perf_counter() - start
 
@@ -324,7 +329,7 @@ def select_layers(
     if refit and "compensated" in chosen.forms.values():
         start = time.perf_counter()
         again = _refit(model, fit_windows, windows, chosen, fits, runs, budget, fit=fit, options=options, memory=memory, pool=pool,
-                       requantize=requantize, seconds=fit_seconds, tell=tell)
+                       requantize=requantize, seconds=fit_seconds, tell=tell, work=work)
         seconds["refit"] = time.perf_counter() - start
     return _selection(model, chosen, stats, fits, runs, again, score=score, fit=fit, fit_passes=fit_passes, fit_seconds=fit_seconds,
                       seconds=seconds, candidates=len(candidates), fit_memory=memory, requantize=requantize, budget=budget)
@@ -346,7 +351,7 @@ def _score(score: Score | None, fit: Fit | None, fit_windows: Windows | None) ->
 
 def _fit(model: ir.Model, n: int, windows: Windows, fit_windows: Windows | None, fit: Fit | None, *, options: runtime.Options,
          pool: cluster.Pool, memory: int | None, requantize: str, input_side: bool, seconds: dict[str, float],
-         tell: Progress) -> tuple[dict[int, FitResult], int, dict[str, list[float | None]]]:
+         tell: Progress, work: Checkpoints) -> tuple[dict[int, FitResult], int, dict[str, list[float | None]]]:
     """Every sequential block's fix, fitted in one pass over the fit windows (none without `fit`), the fit passes made, and
     each score per layer (c, c_stream, alpha, c_comp; None where a block is not sequential or c_comp where it has no fix).
     Without a fit the scores come from one pass over the selection windows."""
@@ -356,7 +361,7 @@ def _fit(model: ir.Model, n: int, windows: Windows, fit_windows: Windows | None,
         return {}, 0, stats
     passes = compensation.passes(model, memory_bytes=memory, pool=pool, requantize=requantize, kind=fit, input_side=input_side)
     fits = compensation.fit(model, fit_windows, kind=fit, options=options, memory_bytes=memory, pool=pool, seconds=seconds, requantize=requantize,
-                            input_side=input_side,
+                            input_side=input_side, work=work,
                             progress=lambda d, t: tell(f"fit ({passes} pass{'es' if passes > 1 else ''})", d, t))
     stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
     stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
@@ -421,18 +426,18 @@ def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[Form
 
 def _refit(model: ir.Model, fit_windows: Windows, windows: Windows, chosen: _Chosen, fits: dict[int, FitResult], runs: Trials,
            budget: Budget, *, fit: Fit, options: runtime.Options, memory: int, pool: cluster.Pool, requantize: str,
-           seconds: dict[str, float], tell: Progress) -> _Refit:
+           seconds: dict[str, float], tell: Progress, work: Checkpoints) -> _Refit:
     """The chosen compensated blocks' fixes fitted again with every chosen block in place, and the chosen set's cost
     with them on the selection windows (the baseline run of `runs` reused); kept if that costs less."""
     compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
     fixes = fixes_of(fits)
     passes = compensation.passes(model, compensated, memory, pool, requantize, input_side=False)  # they keep theirs
     again = compensation.fit(model, fit_windows, compensated, fixes=fixes, forms=chosen.forms, kind=fit, options=options, memory_bytes=memory, pool=pool,
-                             requantize=requantize,
+                             requantize=requantize, work=work.scope("refit"),
                              seconds=seconds, progress=lambda d, t: tell("refit", d, t))
     new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
     new_fixes = fixes_of(new_fits)
-    refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs)
+    refitted = Trials(model, new_fixes, windows, [], pool, options, baseline=runs, work=work.scope("refit-trials"))
     d, kl, _ = refitted.loss(chosen.forms)
     kept = budget.cost(d, kl) < budget.cost(chosen.dnll, chosen.divergence)
     report = {"layers": sorted(again), "dnll_before": chosen.dnll.to_json(), "dnll_after": d.to_json(),

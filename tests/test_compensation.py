@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from surgery import compensation, data, graph
+from surgery import compensation, data, graph, memory
 from surgery.analysis import fit_graph
 from surgery.equations import RIDGES, NormalEquations
 from surgery.facts import embedding_table
@@ -135,13 +135,13 @@ def test_fit_memory_auto_is_a_quarter_of_the_available_memory(monkeypatch, tmp_p
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(meminfo if path == "/proc/meminfo" else path, *a, **k))
-    assert compensation.available_memory() == 20000000 * 1024
-    assert compensation.memory_bound("auto") == compensation.memory_bound(None) == int(0.25 * 20000000 * 1024)
+    assert memory.available_memory() == 20000000 * 1024
+    assert memory.memory_bound("auto") == memory.memory_bound(None) == int(0.25 * 20000000 * 1024)
     monkeypatch.setattr(compensation, "available_memory", lambda: 100 << 20)
-    assert compensation.memory_bound("auto") == 256 << 20  # at least 256 MiB
+    assert memory.memory_bound("auto") == 256 << 20  # at least 256 MiB
     monkeypatch.setattr(compensation, "available_memory", lambda: None)
-    assert compensation.memory_bound("auto") == compensation.MEMORY_BYTES
-    assert compensation.memory_bound("1.5G") == int(1.5 * (1 << 30)) and compensation.memory_bound("512M") == 512 << 20
+    assert memory.memory_bound("auto") == memory.MEMORY_BYTES
+    assert memory.memory_bound("1.5G") == int(1.5 * (1 << 30)) and memory.memory_bound("512M") == 512 << 20
 
 
 def _numpy_ridge_fit(z: np.ndarray, target: np.ndarray, folds: np.ndarray):

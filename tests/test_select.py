@@ -53,7 +53,7 @@ def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
     fit_windows, windows = data.deal(data.windows(path, seq_len=32, max_windows=10, part="calibration"), [4, 6], ["fit", "selection"])
     fixes = {l: f.fix for l, f in compensation.fit(model, fit_windows).items()}
     runs = Trials(model, fixes, windows, [2, 0, 1], cluster.Pool(), runtime.Options())
-    assert runs.resume is not None and runs.checkpoints == (1, 2) and len(runs.batches) == 2
+    assert runs.resume is not None and runs.stops == (1, 2) and len(runs.batches) == 2
     accepted: dict[int, str] = {}
     for layer, form in ((0, "compensated"), (2, "plain"), (1, "compensated")):  # the later ones start after an accepted change
         forms = {**accepted, layer: form}

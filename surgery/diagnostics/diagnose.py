@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from surgery import __version__, cluster, compensation, data, evaluate, graph, runtime
+from surgery import __version__, cluster, compensation, data, evaluate, graph, memory, runtime
 from surgery.analysis import field, probe, resumable, switchboard
 from surgery.analysis.switchboard import Switch
 from surgery.defect import DefectStats
@@ -168,7 +168,7 @@ def _diagnose(
     fits: dict = {}
     if "defect" in only:
         with _timed(seconds, "fit"):
-            fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=compensation.memory_bound(None),
+            fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=memory.memory_bound(None),
                                     progress=lambda d, t: tell("compensation fit", d, t))
     sensitivity = None
     if "prefix" in only:
