@@ -30,7 +30,6 @@ import dataclasses
 import fnmatch
 import hashlib
 import importlib
-import io
 import json
 import os
 import shutil
@@ -41,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from surgery import output
 from surgery.errors import SurgeryError
 
 FORMAT = 1
@@ -95,7 +95,8 @@ class Checkpoints:
         else:
             try:
                 folder.mkdir(parents=True)
-                _atomic(manifest, json.dumps({"format": FORMAT, "fingerprint": fingerprint}, indent=2).encode())
+                text = json.dumps({"format": FORMAT, "fingerprint": fingerprint}, indent=2).encode()
+                _atomic(manifest, lambda f: f.write(text))
             except OSError as e:
                 raise SurgeryError(f"cannot make the work folder {folder} ({e.strerror or e}); choose an output where you can write") from None
         return cls(folder, every)
@@ -132,11 +133,10 @@ class Checkpoints:
         start = time.perf_counter()
         arrays: list[np.ndarray] = []
         meta = _encode(value, arrays)
-        buffer = io.BytesIO()
-        np.savez(buffer, meta=np.array(json.dumps(meta)), **{f"a{i}": a for i, a in enumerate(arrays)})
         path = self._path(unit)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic(path, buffer.getbuffer())
+        with output.disk_errors(path, needed=sum(a.nbytes for a in arrays)):  # a full disk: one line (--no-checkpoints)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _atomic(path, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **{f"a{i}": a for i, a in enumerate(arrays)}))
         self._last = time.perf_counter()
         self._cost = self._last - start
 
@@ -212,12 +212,12 @@ def reached(unit: str) -> None:
         time.sleep(60)
 
 
-def _atomic(path: Path, content) -> None:
-    """Write `content` to `path` whole or not at all: a temporary file beside it, renamed over it."""
+def _atomic(path: Path, write) -> None:
+    """Make `path` whole or not at all: write(f) fills a temporary file beside it, which is then renamed over it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(content)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -226,10 +226,10 @@ def _atomic(path: Path, content) -> None:
 
 def _encode(value: Any, arrays: list[np.ndarray]) -> Any:
     """`value` as JSON, its arrays (and long tuples of numbers) appended to `arrays` and named by index."""
-    if value is None or isinstance(value, (bool, str)):
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, str, int, float)):
         return value
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return value.item() if isinstance(value, np.generic) else value
     if isinstance(value, np.ndarray):
         arrays.append(value)
         return {"array": len(arrays) - 1}

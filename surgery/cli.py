@@ -413,6 +413,8 @@ def diagnose(
     workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Score the windows on the Ray cluster at ADDRESS (one actor per CPU).", rich_help_panel=CLUSTER)] = None,
     report_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md, report.html and PNG plots.", rich_help_panel=OUTPUT)] = ...,
+    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="Keep finished steps in OUT.work beside the report; the same command run again after a fault resumes from it.", rich_help_panel=OUTPUT)] = True,
+    restart: Annotated[bool, typer.Option("--restart", help="Discard OUT.work (an interrupted run's work) and start over.", rich_help_panel=OUTPUT)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
@@ -424,7 +426,8 @@ def diagnose(
     output.check(report_dir)
     with _progress() as tell:
         result = run(model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections, critical_seeds=critical_seeds,
-                     tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell, workers=workers, ray=ray)
+                     tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell, workers=workers, ray=ray,
+                     checkpoints=report_dir if checkpoints else None, restart=restart)
     folder = report.write(result, report_dir)
     if as_json:
         print(json.dumps(report.summary(result), indent=2))

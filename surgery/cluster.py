@@ -3,7 +3,7 @@
     with cluster.pool(workers=2) as pool:            # a local Ray cluster of 2 CPUs, started and stopped here
     with cluster.pool(address="HOST:6379") as pool:  # an existing Ray cluster, left running
     with cluster.pool() as pool:                     # no Ray: this process, two runs at a time (`concurrent`)
-        actors = pool.actors(model, make)            # each actor builds make(model) once (a session, a Scorer)
+        actors = pool.actors(model, make)            # each actor builds make(model) at its first call (a session, a Scorer)
         for result in actors.map("run", [args, ...], **common):  # obj.run(*args, **common) per job, in job order
 
 In this process, `concurrent` jobs run at once on threads sharing the object (ONNX Runtime runs one session
@@ -17,6 +17,11 @@ worker can read. With `device` cuda (or auto on a cluster that has GPUs) each ac
 (num_gpus 1, or an equal share when the cluster has fewer GPUs than actors) and runs on CUDA; an actor whose
 session cannot start there fails the run in one line naming its host. A value every job reads (the
 reference log-probs) goes to the object store once (`share`).
+
+An actor that dies is restarted by Ray (max_restarts) and the job it was running runs again (max_task_retries),
+up to RETRIES times: a job's work is a pure function of its arguments, so the redone job returns what the lost
+one would have. An actor builds its object at its first call (and again after a restart) from the model's
+reference, which each call carries and the Remote keeps alive.
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ class _Runner:
         the same order), from the snapshot of `unit` when there is one."""
         snapshot = self.work.load(unit) or {"done": 0, "sums": {}, "handed": []}
         sums, handed, done = snapshot["sums"], snapshot["handed"], snapshot["done"]
-        self.tick(done)
+        if done:
+            self.tick(done)
         for j in range(done, len(rows)):
             _, stream, clock = accumulator.run(*job(j, rows[j : j + 1], self.tick), into=sums)
             handed.extend(stream)

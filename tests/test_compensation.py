@@ -137,9 +137,9 @@ def test_fit_memory_auto_is_a_quarter_of_the_available_memory(monkeypatch, tmp_p
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(meminfo if path == "/proc/meminfo" else path, *a, **k))
     assert memory.available_memory() == 20000000 * 1024
     assert memory.memory_bound("auto") == memory.memory_bound(None) == int(0.25 * 20000000 * 1024)
-    monkeypatch.setattr(compensation, "available_memory", lambda: 100 << 20)
+    monkeypatch.setattr(memory, "available_memory", lambda: 100 << 20)
     assert memory.memory_bound("auto") == 256 << 20  # at least 256 MiB
-    monkeypatch.setattr(compensation, "available_memory", lambda: None)
+    monkeypatch.setattr(memory, "available_memory", lambda: None)
     assert memory.memory_bound("auto") == memory.MEMORY_BYTES
     assert memory.memory_bound("1.5G") == int(1.5 * (1 << 30)) and memory.memory_bound("512M") == 512 << 20
 

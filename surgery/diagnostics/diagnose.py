@@ -6,10 +6,13 @@ ablation protocol) use the disjoint evaluation windows. Nothing holds more than 
 fit: one window's, and each layer's normal equations).
 
 Structure: `diagnose` opens the worker pool and `_diagnose` runs the steps in order, timing each:
-`_scores` (the probe's one pass: `_deficit`, `_diversity`, C_l / C_l^stream and alpha, then `_critical` from
+`_scores` (the probe's one pass: deficit, diversity, C_l / C_l^stream and alpha, then `_critical` from
 its seeds), the compensation fit, `_prefix`, and `_losses` (the switchboard's runs, `switch_losses`); then
 `_defect` and `_ablation` turn the runs into their sections and a `Diagnosis` holds them all (`to_json()`:
 report.json). `ProbeWindows` and `LossWindows` are the per-window sessions, here or on Ray actors.
+
+With `checkpoints`, each step's result (the fit's units, each evaluation window's loss runs) is kept in a work
+folder beside the report and a rerun of the same diagnose resumes from it (surgery.checkpoint).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from surgery.diagnostics import critical as crit
 from surgery.diagnostics import prefix, stats
 from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
+from surgery.diagnostics.sections import deficit, diversity
 from surgery.equations import fixes as fixes_of
+from surgery.checkpoint import Checkpoints, digest, file_digest, reached
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Ablation, Compensation
@@ -120,12 +125,16 @@ def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | N
         options (runtime.Options): ONNX Runtime session options (with the analysis graphs' buffer plan off: runtime.analysis).
         progress (Callable[[str, int, int], None] | None): called as progress(stage, done, total).
         seed (int): of the prefix sensitivity's random draws (default 0).
+        checkpoints (str | Path | None): the report's folder: finished steps are kept in the work folder beside it, and a diagnose of the same
+            model, windows and options resumes from them; removed when diagnose returns. None (default): nothing kept.
+        restart (bool): discard that work folder first.
 
     Returns:
         The Diagnosis: one field per report.json section that ran, with the model, the windows and each step's seconds.
 
     Raises:
-        SurgeryError: an unknown section, fused blocks, critical_seeds below 1, a Ray cluster it cannot use, or what `load` and `windows` raise.
+        SurgeryError: an unknown section, fused blocks, critical_seeds below 1, a Ray cluster it cannot use, a work folder of another diagnose, or
+            what `load` and `windows` raise.
     """
     options = runtime.analysis(kwargs.pop("options", runtime.Options()))
     with cluster.pool(workers, ray, concurrent=cluster.concurrency(options), device=options.device) as pool:
@@ -146,6 +155,8 @@ def _diagnose(
     progress: Progress | None = None,
     seed: int = 0,
     pool: cluster.Pool = cluster.Pool(),
+    checkpoints: str | Path | None = None,
+    restart: bool = False,
 ) -> Diagnosis:
     """The steps in order, each timed: the probe's scores (and critical points), the compensation fit, prefix
     sensitivity, the loss runs; then the sections built from them."""
@@ -163,25 +174,35 @@ def _diagnose(
     about = {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]}
     read_windows = {"calibration": _describe(cal)}
     seconds: dict[str, float] = {}
+    ev = read(max_windows=eval_windows, part="evaluation") if "defect" in only or "ablation" in only else None
+    work = Checkpoints.off()
+    if checkpoints is not None:
+        work = Checkpoints.open(checkpoints, {"surgery": __version__, "model": file_digest([graph.resolve(model_path), *graph.external_data_files(model.model)]),
+                                              "calibration windows": digest(cal.ids), "evaluation windows": None if ev is None else digest(ev.ids),
+                                              "only": sorted(only), "critical_seeds": critical_seeds, "seed": seed,
+                                              "device": runtime.providers(options.device)[0]}, restart=restart)
 
-    scores = _scores(model, blocks, cal, only, critical_seeds, options, tell, pool, seconds) if set(only) & PROBED else {}
+    if (scores := work.load("scores")) is None:
+        scores = _scores(model, blocks, cal, only, critical_seeds, options, tell, pool, seconds) if set(only) & PROBED else {}
+        work.save("scores", scores)
     fits: dict = {}
     if "defect" in only:
         with _timed(seconds, "fit"):
             fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=memory.memory_bound(None),
-                                    progress=lambda d, t: tell("compensation fit", d, t))
+                                    progress=lambda d, t: tell("compensation fit", d, t), work=work.scope("fit"))
     sensitivity = None
-    if "prefix" in only:
+    if "prefix" in only and (sensitivity := work.load("prefix")) is None:
         with _timed(seconds, "prefix"):
             sensitivity = _prefix(model, cal, seq_len, options, np.random.default_rng(seed), tell)
+        work.save("prefix", sensitivity)
     defect = ablation = None
-    if "defect" in only or "ablation" in only:
+    if ev is not None:
         with _timed(seconds, "losses"):
-            ev = read(max_windows=eval_windows, part="evaluation")
             read_windows["evaluation"] = _describe(ev)
-            losses = _losses(model, blocks, ev, only, fits, options, tell, pool)
+            losses = _losses(model, blocks, ev, only, fits, options, tell, pool, work.scope("losses"))
             defect = _defect(scores["defect"], fits, losses, n) if "defect" in only else None
             ablation = _ablation(losses, n) if "ablation" in only else None
+    work.finish()
     return Diagnosis(model=about, windows=read_windows, seconds=seconds, deficit=scores.get("deficit"), diversity=scores.get("diversity"),
                      defect=defect, gate=scores.get("gate"), critical=scores.get("critical"), prefix=sensitivity, ablation=ablation)
 
@@ -204,9 +225,9 @@ def _scores(model, blocks, cal: data.Windows, only, critical_seeds: int, options
     seconds["probe_setup"] = probed["ready"] - start  # of which: the graph and its session(s)
     sections = {}
     if "deficit" in only:
-        sections["deficit"] = _deficit(probed)
+        sections["deficit"] = deficit(probed)
     if "diversity" in only:
-        sections["diversity"] = _diversity(probed["diversity"], blocks)
+        sections["diversity"] = diversity(probed["diversity"], blocks)
     if "defect" in only or "gate" in only:
         result = probed["defect"].result()
         if "defect" in only:
@@ -217,12 +238,6 @@ def _scores(model, blocks, cal: data.Windows, only, critical_seeds: int, options
         with _timed(seconds, "critical"):
             sections["critical"] = _critical(model.model, blocks, probed, critical_seeds, options, tell)
     return sections
-
-
-def _deficit(probed: dict) -> dict:
-    """Each layer's mean alignment a_l of attn_out's and the mlp's tangential parts, and the deficit 1 - a_l."""
-    a = [s / c for s, c in zip(probed["align_sum"], probed["align_count"])]
-    return {"alignment": a, "deficit": [1 - x for x in a], "mean": float(np.mean([1 - x for x in a]))}
 
 
 def _prefix(model, cal: data.Windows, seq_len: int, options, rng: np.random.Generator, tell) -> dict:
@@ -239,14 +254,14 @@ def _prefix(model, cal: data.Windows, seq_len: int, options, rng: np.random.Gene
     return {"distances": dists, "sensitivity": (curves / len(cal)).tolist()}
 
 
-def _losses(model, blocks, ev: data.Windows, only, fits: dict, options, tell, pool: cluster.Pool) -> dict:
+def _losses(model, blocks, ev: data.Windows, only, fits: dict, options, tell, pool: cluster.Pool, work: Checkpoints) -> dict:
     """The loss runs on the evaluation windows (switch_losses): each block alone parallel and compensated (for
     defect), each ablation per layer and at all layers, and the sink-keeping ablations at all layers (for ablation)."""
     sink_kinds = [ablation_kind(b, m, keep_sink=True) for b in BRANCHES for m in SINK_MODES] if "ablation" in only else []
     kinds = ([PARALLEL, compensated_kind(fixes_of(fits))] if "defect" in only else []) + (
         [ablation_kind(b, m) for b in BRANCHES for m in ABLATION_MODES] if "ablation" in only else []
     ) + sink_kinds
-    return switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=fixes_of(fits))
+    return switch_losses(model, blocks, kinds, ev, options, tell, all_only=set(sink_kinds), pool=pool, fixes=fixes_of(fits), work=work)
 
 
 def _defect(scores: dict, fits: dict, losses: dict, n: int) -> dict:
@@ -356,24 +371,6 @@ def _stream_probe(p: probe.Probe, windows: data.Windows, options, n: int, tell, 
     return result
 
 
-def _diversity(samples: list[list[dict]], blocks) -> dict:
-    def mean(key, index, layer):
-        values = [w[layer][key][index] for w in samples if key in w[layer]]
-        return float(np.mean(values)) if values else None
-
-    result = {}
-    for point, key in (("pre", "resid_pre"), ("mid", "resid_mid"), ("post", "resid_post")):
-        result[point] = {
-            "diversity": [mean(key, 0, b.layer) for b in blocks],
-            "effective_rank": [mean(key, 1, b.layer) for b in blocks],
-        }
-    pre, mid, post = (result[k]["diversity"] for k in ("pre", "mid", "post"))
-    result["d_attn"] = [None if m is None else m - p for p, m in zip(pre, mid)]
-    result["d_mlp"] = [None if m is None else q - m for m, q in zip(mid, post)]
-    result["d_block"] = [q - p for p, q in zip(pre, post)]
-    return result
-
-
 def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
     """Zeros of each layer's mlp field from n_seeds data seeds (tokens spread over the first calibration window)."""
     if n_seeds < 1:
@@ -410,7 +407,7 @@ def _critical(model, blocks, stats, n_seeds: int, options, tell) -> dict:
 
 
 def switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozenset(), pool: cluster.Pool = cluster.Pool(),
-                   fixes: dict | None = None) -> dict:
+                   fixes: dict | None = None, work: Checkpoints | None = None) -> dict:
     """Loss with every switch off, then with each kind on at each layer alone (and at all layers for edits;
     kinds in all_only at all layers only, kinds in SINGLE at each layer only): dNLL per kind and layer, and under
     "interval" its 95 % paired bootstrap [low, high] over the windows. A layer where a kind changes nothing (a parallel
@@ -420,7 +417,8 @@ def switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozens
     block l alone starts there from block l - 1's (blocks < l would compute what that run did). In float16, or
     where some block cannot be skipped (resumable.resumable gives None), every run is a whole forward pass.
     A window's runs are scored in chunks of CHUNK, `pool.parallel` at a time (in this process or on Ray
-    actors), each from the unchanged run's kept tensors; the parts are joined here in window order.
+    actors), each from the unchanged run's kept tensors; the parts are joined here in window order. Each window's
+    scores are a checkpoint unit of `work`.
     """
     n, fixes = len(blocks), fixes or {}
     lazy = not narrower_than_float32(Subject.of(model).stream)  # If boundaries round float16 on CPU
@@ -434,14 +432,19 @@ def switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozens
     make = functools.partial(LossWindows, kinds=kinds, n_layers=n, resume=cut, options=pool.options(options))
     actors = pool.actors(board if resume is None else resume.model, make)
     parts: dict = {run: [] for run in [("base", None), *runs]}
+    work = work or Checkpoints.off()
     for i in range(len(windows)):
-        window = windows.take([i])
-        [(base, kept, reference)] = actors.map("base", [(window,)])
-        parts[("base", None)].append(base)
-        for done, (chunk, scored) in enumerate(zip(chunks, actors.map("runs", [(window, chunk, kept, reference) for chunk in chunks])), 1):
-            for run, part in zip(chunk, scored):
-                parts[run].append(part)
-            tell("losses", i * len(chunks) + done, len(windows) * len(chunks))
+        if (kept_scores := work.load(f"window-{i}")) is None:  # the window's scores, base first, then runs in order
+            window = windows.take([i])
+            [(base, kept, reference)] = actors.map("base", [(window,)])
+            kept_scores = [base]
+            for done, (chunk, scored) in enumerate(zip(chunks, actors.map("runs", [(window, chunk, kept, reference) for chunk in chunks])), 1):
+                kept_scores.extend(scored)
+                tell("losses", i * len(chunks) + done, len(windows) * len(chunks))
+            work.save(f"window-{i}", kept_scores)
+            reached(f"diagnose losses window {i}")
+        for run, part in zip([("base", None), *runs], kept_scores):
+            parts[run].append(part)
     base = evaluate.joined(parts[("base", None)])
     measures = ("interval", "kl", "kl_interval", "top1")
     result: dict = {"base": base.loss, **{m: {kind: {} for kind in kinds} for m in measures}, **{kind: {} for kind in kinds}}
