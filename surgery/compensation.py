@@ -250,7 +250,7 @@ class _Runner:
         return sums, handed
 
     def _gather(self, runs: list[tuple[int, np.ndarray]], parts: list[tuple]) -> tuple[Sums, list[np.ndarray]]:
-        """The runs' sums added, and their streams, in window order (in process: one run, all rows)."""
+        """The Ray actors' sums added, and their streams, in window order."""
         sums: Sums = {}
         handed: list[np.ndarray] = []
         for (_, r), (part, stream, part_clock) in zip(runs, parts):

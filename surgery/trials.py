@@ -68,7 +68,7 @@ class Trials:
         make = functools.partial(TrialScorer, options=pool.options(options), compare=True, keep=keep)
         self.scorers = pool.actors(resume.model if resume else board, make)
         self.passes, self.blocks_run = 0, 0
-        self.read, self.stale = 0, None  # trials read back from `work`; the accepted set of the last one (its streams to rebuild)
+        self.stale = None  # the accepted set of the last trial read back from `work`, whose streams are to be rebuilt
         self.streams: list[dict] = [{} for _ in self.batches]  # per batch: the accepted set's stream at each stop
         self.base, self.reference = (baseline.base, baseline.reference) if baseline else self._baseline()
 
@@ -94,7 +94,7 @@ class Trials:
         if (done := self.work.load(unit)) is not None:
             if done["forms"] != forms:
                 raise SurgeryError(f"the checkpoint {unit} is of another trial; add --restart to discard the work folder")
-            self.passes, self.blocks_run, self.read = self.passes + 1, self.blocks_run + done["blocks_run"], self.read + 1
+            self.passes, self.blocks_run = self.passes + 1, self.blocks_run + done["blocks_run"]
             return done["delta"], done["divergence"], {"read": forms}
         if self.stale is not None:
             self._rebuild(self.stale)
