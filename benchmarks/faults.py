@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common import ROOT, smollm2, table
 
-TIMES = {"seconds", "fit_seconds", "latency", "fit_memory", "estimated_speedup", "prefill_ratio", "decode_ratio", "resumed"}
+TIMES = {"seconds", "fit_seconds", "latency", "fit_memory", "estimated_speedup", "prefill_ratio", "decode_ratio", "resumed", "checkpoints"}
 
 
 def _command(model: Path, out: Path, *extra: str) -> list[str]:

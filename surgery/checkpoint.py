@@ -1,10 +1,10 @@
 """Checkpoints: a long run's finished units, kept in a work folder beside its output so that a run stopped by a fault
 (a node taken back, an out-of-memory kill, Ctrl-C) resumes where it stopped.
 
-    work = Checkpoints.open(out, fingerprint)      # OUT.work/: made, resumed, or refused when it does not match
-    state = work.load("fit/chunk-0")                # None until that unit is done
-    work.save("fit/chunk-0", {"results": ..., "streams": ...})
-    work.finish()                                   # the run wrote its output: the folder goes
+    with Checkpoints.open(out, fingerprint) as work:    # OUT.work/: made, resumed, or refused when it does not match; locked
+        state = work.load("fit/chunk-0")                # None until that unit is done
+        work.save("fit/chunk-0", {"results": ..., "streams": ...})
+        work.finish()                                   # the run wrote its output: the folder goes
 
 A unit is one file, `<unit>.npz`, written atomically (a temporary file renamed over it): its arrays stored as
 arrays and the rest as JSON, read back without pickle, so a work folder can run no code. Only the types in
@@ -45,6 +45,7 @@ from surgery.errors import SurgeryError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+LOCK = "lock"  # flock'ed by the run using the folder
 RATIO = 50  # a snapshot costs at most 1 / RATIO of the work since the last one: 2 %
 EVERY = 60.0  # seconds between mid-pass snapshots, at least (SURGERY_CHECKPOINT_SECONDS)
 # The classes a checkpoint may rebuild (module, name): data only, their fields set from what was stored.
@@ -63,6 +64,8 @@ class Checkpoints:
         self.every = float(os.environ.get("SURGERY_CHECKPOINT_SECONDS", EVERY)) if every is None else every
         self._last, self._cost = time.perf_counter(), 0.0
         self.loaded: list[str] = []  # the units this run read back: what it resumed from
+        self.cost = {"seconds": 0.0, "bytes": 0, "units": 0}  # what writing units has cost this run (shared by its scopes)
+        self._lock: int | None = None  # the descriptor holding the folder's lock (open's)
 
     @classmethod
     def off(cls) -> "Checkpoints":
@@ -73,15 +76,22 @@ class Checkpoints:
         """The work folder of the output `out` (`OUT.work`, beside it): made when missing, resumed when its fingerprint
         matches; discarded first with `restart`.
 
+        The folder is locked while this process uses it, so two runs writing the same output never share it.
+
         Raises:
-            SurgeryError: it holds another run's work (named: what differs), or cannot be made.
+            SurgeryError: it holds another run's work (named: what differs), another run is using it, or it cannot be made.
         """
         folder = work_folder(out)
         fingerprint = json.loads(json.dumps(fingerprint))  # as the manifest reads back
-        if restart and folder.exists():
+        existed = folder.exists()
+        lock = _claim(folder) if existed else None
+        if restart and existed:
+            if lock is not None:
+                os.close(lock)
             shutil.rmtree(folder)
+            existed, lock = False, None
         manifest = folder / MANIFEST
-        if folder.exists():
+        if existed:
             try:
                 found = json.loads(manifest.read_text())
             except (OSError, ValueError):
@@ -95,11 +105,14 @@ class Checkpoints:
         else:
             try:
                 folder.mkdir(parents=True)
+                lock = _claim(folder)
                 text = json.dumps({"format": FORMAT, "fingerprint": fingerprint}, indent=2).encode()
                 _atomic(manifest, lambda f: f.write(text))
             except OSError as e:
                 raise SurgeryError(f"cannot make the work folder {folder} ({e.strerror or e}); choose an output where you can write") from None
-        return cls(folder, every)
+        work = cls(folder, every)
+        work._lock = lock
+        return work
 
     def __bool__(self) -> bool:
         return self.folder is not None
@@ -107,7 +120,7 @@ class Checkpoints:
     def scope(self, name: str) -> "Checkpoints":
         """The same folder, its units under `name/` (one per step that keeps units: fit, trials, ...)."""
         scoped = Checkpoints(self.folder, self.every, f"{self.prefix}{name}/")
-        scoped.loaded = self.loaded
+        scoped.loaded, scoped.cost = self.loaded, self.cost
         return scoped
 
     def load(self, unit: str) -> Any | None:
@@ -139,6 +152,9 @@ class Checkpoints:
             _atomic(path, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **{f"a{i}": a for i, a in enumerate(arrays)}))
         self._last = time.perf_counter()
         self._cost = self._last - start
+        self.cost["seconds"] += self._cost
+        self.cost["bytes"] += path.stat().st_size
+        self.cost["units"] += 1
 
     def resumed(self) -> dict[str, int]:
         """How many finished units this run read back, by step (the first part of their names): {} for a fresh run."""
@@ -160,6 +176,19 @@ class Checkpoints:
         """The run is done (its output written): remove the work folder."""
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+        self.close()
+
+    def close(self) -> None:
+        """Let another run (or this process again) use the folder: release its lock."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _path(self, unit: str) -> Path:
         return self.folder / f"{self.prefix}{unit}.npz"
@@ -210,6 +239,25 @@ def reached(unit: str) -> None:
     os.close(fd)
     while True:
         time.sleep(60)
+
+
+def _claim(folder: Path) -> int | None:
+    """An exclusive lock on the folder's lock file, held until it is closed or this process ends (however it ends);
+    None where the system has no flock."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(folder / LOCK, os.O_CREAT | os.O_RDWR)
+    except OSError as e:
+        raise SurgeryError(f"cannot use the work folder {folder} ({e.strerror or e}); choose an output where you can write") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SurgeryError(f"{folder} is in use by another run writing the same output; wait for it to finish, or choose another -o") from None
+    return fd
 
 
 def _atomic(path: Path, write) -> None:

@@ -246,7 +246,7 @@ def parallelize(
     data: Corpus = None,
     seq_len: SeqLen = 256,
     windows: Annotated[int, typer.Option(help="auto: selection windows for the greedy KL and dNLL checks (disjoint from the fit windows).", rich_help_panel=DATA), AtLeast(1)] = 16,
-    eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows for the reported dNLL.", rich_help_panel=DATA), AtLeast(1)] = 8,
+    eval_windows: Annotated[int, typer.Option(help="auto: held-out evaluation windows (from the corpus's evaluation part) for the reported KL, top-1 and dNLL.", rich_help_panel=DATA), AtLeast(1)] = 32,
     tokenizer: Tokenizer = None,
     device: Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`; with --workers / --ray, where the actors run (cuda: one GPU each).", rich_help_panel=RUNTIME)] = "auto",
     threads: Threads = None,

@@ -342,26 +342,34 @@ def fit(
     runner = _Runner(windows, switched(len(plan.blocks), forms), pool, options, clock, progress, plan.runs, work)
     results: dict[int, FitResult] = {}
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
-    for c, chunk in enumerate(plan.chunks):
-        if (done := work.load(f"chunk-{c}")) is not None:
-            results.update(done["results"])
-            streams = done["streams"]
-            runner.tick(len(plan.rows) + (len(plan.input_rows) if plan.sides.intersection(chunk) else 0))
-            continue
-        resume, hand_on = chunk[0] if c else None, plan.chunks[c + 1][0] if c + 1 < len(plan.chunks) else None
-        input_sides = _fit_input_sides(plan, runner, c, resume, streams, ridges)
-        graph = fit_graph(plan.subject, plan.fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq",
-                          input_sides={l: side for l, (side, _) in input_sides.items()})
-        sums, streams = runner.run(graph, chunk, streams, "outputs", plan.rows, f"chunk-{c}-outputs")
-        del graph
-        start = time.perf_counter()
-        solved = _solve(plan, chunk, sums, kind, ridges, input_sides)
-        clock["solve"] += time.perf_counter() - start
-        del sums
-        work.save(f"chunk-{c}", {"results": solved, "streams": streams})
-        work.drop(f"chunk-{c}-outputs")
+    for c in range(len(plan.chunks)):
+        solved, streams = _fit_chunk(plan, runner, c, streams, kind, ridges, requantize)
         results.update(solved)
     return results
+
+
+def _fit_chunk(plan: FitPlan, runner: _Runner, c: int, streams: list[np.ndarray] | None, kind: str, ridges, requantize: str
+               ) -> tuple[dict[int, FitResult], list[np.ndarray]]:
+    """Chunk c's fits and the streams it hands on to the next chunk: its input side's pass and output side's pass from
+    `streams` (the stream into its first block, per window; None for the first chunk), and the solve. A checkpoint unit:
+    read back when the work folder has it."""
+    chunk, work = plan.chunks[c], runner.work
+    if (done := work.load(f"chunk-{c}")) is not None:
+        runner.tick(len(plan.rows) + (len(plan.input_rows) if plan.sides.intersection(chunk) else 0))
+        return done["results"], done["streams"]
+    resume, hand_on = chunk[0] if c else None, plan.chunks[c + 1][0] if c + 1 < len(plan.chunks) else None
+    input_sides = _fit_input_sides(plan, runner, c, resume, streams, ridges)
+    graph = fit_graph(plan.subject, plan.fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq",
+                      input_sides={l: side for l, (side, _) in input_sides.items()})
+    sums, streams = runner.run(graph, chunk, streams, "outputs", plan.rows, f"chunk-{c}-outputs")
+    del graph
+    start = time.perf_counter()
+    solved = _solve(plan, chunk, sums, kind, ridges, input_sides)
+    runner.clock["solve"] += time.perf_counter() - start
+    del sums
+    work.save(f"chunk-{c}", {"results": solved, "streams": streams})
+    work.drop(f"chunk-{c}-outputs")
+    return solved, streams
 
 
 def _fit_input_sides(plan: FitPlan, runner: _Runner, c: int, resume: int | None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import onnx_ir as ir
@@ -64,6 +65,8 @@ class Outcome:
     windows: dict  # fit / selection / evaluation: count and tokens
     estimate_placement: str | None = None  # where the estimate's kernels were profiled: the latency's device
     resumed: dict[str, int] = dataclasses.field(default_factory=dict)  # finished units read back from the work folder, by step
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of the steps after the selection: evaluation
+    checkpoints: dict = dataclasses.field(default_factory=dict)  # what writing the work folder's units cost: seconds, bytes, units
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -83,7 +86,7 @@ def auto(
     seq_len: int = 256,
     windows: int = 16,
     fit_windows: int = 64,
-    eval_windows: int = 8,
+    eval_windows: int = 32,
     fit: Fit | None = "full",
     fused: bool = False,
     measure_latency: bool = True,
@@ -140,36 +143,51 @@ def auto(
     else:
         fit_part, sel = None, get("calibration", windows)
     ev = get("evaluation", eval_windows)
-    work = Checkpoints.off()
-    if checkpoints:
-        parts = {"fit windows": fit_part, "selection windows": sel, "evaluation windows": ev}
-        fingerprint = {"surgery": __version__, "model": file_digest([graph.resolve(model_path), *graph.external_data_files(model)]),
-                       **{name: digest(w.ids) for name, w in parts.items() if w is not None}, "fit": fit, "fused": fused,
-                       "device": runtime.providers(options.device)[0], **{k: str(v) for k, v in greedy.items() if k != "fit_memory"}}
-        work = Checkpoints.open(out, fingerprint, restart=restart)
-    with cluster.pool(workers, ray, device=options.device) as pool:
-        selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, work=work, **greedy)
-    rewritten = rewrite(subject, selection.layers, fused=fused, fixes=selection.fixes).model
-    # Sessions of models in memory hand their weights to ORT without serializing them (runtime.session).
+    parts, results = {"fit windows": fit_part, "selection windows": sel, "evaluation windows": ev}, {"fit": fit, "fused": fused, **greedy}
+    with _work(out, model_path, model, parts, results, options, restart) if checkpoints else Checkpoints.off() as work:  # released however auto ends
+        with cluster.pool(workers, ray, device=options.device) as pool:
+            selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, work=work, **greedy)
+        rewritten = rewrite(subject, selection.layers, fused=fused, fixes=selection.fixes).model
+        base, after, seconds = _evaluation(model, rewritten, ev, options, tell, work)
+        times = evaluate.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
+        estimate = times.estimated_speedup(selection.layers)
+        prefill, decode, timing = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell) if measure_latency else (None,) * 3
+        described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
+        outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
+                          prefill, decode, timing, described, str(times.placement), work.resumed(), seconds, work.cost)
+        written = _write(outcome, rewritten, out, model_path)
+        work.finish()
+    return outcome, written
+
+
+def _write(outcome: Outcome, rewritten: ir.Model, out, model_path) -> Path:
+    """Write the rewritten model like its input, with selection.json and its picture beside it (`MODEL.selection.json` for a file)."""
+    report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
+    saved = outcome.to_json()
+    extra = {report: json.dumps(saved, indent=2), Path(report).with_suffix(".png").name: selection_picture(saved)}
+    return graph.write(rewritten, out, like=model_path, extra=extra)
+
+
+def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options: runtime.Options, tell: Progress, work: Checkpoints
+                ) -> tuple[evaluate.Perplexity, evaluate.Perplexity, dict[str, float]]:
+    """The original's and the rewritten model's scores on the evaluation windows (a checkpoint unit), and the seconds
+    they took. Sessions of models in memory hand their weights to ORT without serializing them (runtime.session)."""
+    start = time.perf_counter()
     if (scored := work.load("evaluation")) is None:
         step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
         scored = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
         work.save("evaluation", scored)
-    base, after = scored
-    times = evaluate.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
-    estimate = times.estimated_speedup(selection.layers)
-    prefill = decode = timing = None
-    if measure_latency:
-        prefill, decode, timing = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell)
-    described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
-    outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
-                      prefill, decode, timing, described, str(times.placement), work.resumed())
-    report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
-    saved = outcome.to_json()
-    extra = {report: json.dumps(saved, indent=2), Path(report).with_suffix(".png").name: selection_picture(saved)}
-    written = graph.write(rewritten, out, like=model_path, extra=extra)
-    work.finish()
-    return outcome, written
+    return *scored, {"evaluation": time.perf_counter() - start}
+
+
+def _work(out, model_path, model: ir.Model, windows: dict[str, data.Windows | None], results: dict, options: runtime.Options,
+          restart: bool) -> Checkpoints:
+    """The main job's work folder beside `out`, tied to the model's bytes, the windows' tokens, the options that change
+    results (`results` but the fit memory; the device) and surgery's version; not to those that change only speed."""
+    fingerprint = {"surgery": __version__, "model": file_digest([graph.resolve(model_path), *graph.external_data_files(model)]),
+                   **{name: digest(w.ids) for name, w in windows.items() if w is not None}, "device": runtime.providers(options.device)[0],
+                   **{k: str(v) for k, v in results.items() if k != "fit_memory"}}
+    return Checkpoints.open(out, fingerprint, restart=restart)
 
 
 def _check_fusable(model: ir.Model, blocks: list[BlockMap]) -> None:

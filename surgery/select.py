@@ -307,20 +307,17 @@ def select_layers(
             `compensation.fit` refuses.
     """
     score = _score(score, fit, fit_windows)
-    tell = progress or (lambda stage, done, total: None)
-    work = work or Checkpoints.off()
+    tell, work = progress or (lambda stage, done, total: None), work or Checkpoints.off()
     model = Subject.of(model)  # read once: the fit, the trials and the refit take it
-    blocks = model.blocks
-    seconds: dict[str, float] = {}
-    fit_seconds: dict[str, float] = {}  # where the fit's time went: forward, accumulate, solve
+    seconds, fit_seconds = {}, {}  # each step's wall time; where the fit's went (forward, accumulate, solve)
     memory = memory_bound(fit_memory) if fit is not None else None
     start = time.perf_counter()
-    fits, fit_passes, stats = _fit(model, len(blocks), windows, fit_windows, fit, options=options, pool=pool, memory=memory,
+    fits, fit_passes, stats = _fit(model, len(model.blocks), windows, fit_windows, fit, options=options, pool=pool, memory=memory,
                                    requantize=requantize, input_side=input_side, seconds=fit_seconds, tell=tell, work=work.scope("fit"))
     seconds["fit" if fit else "scores"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    candidates, rank = _candidates(blocks, stats, score, protect_first, protect_last)
+    candidates, rank = _candidates(model.blocks, stats, score, protect_first, protect_last)
     runs = Trials(model, fixes_of(fits), windows, candidates, pool, options, work=work.scope("trials"))
     chosen = _greedy(runs, candidates, rank, fits, budget, max_layers=max_layers, patience=patience, try_both=try_both, tell=tell)
     seconds["selection"] = time.perf_counter() - start

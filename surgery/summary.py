@@ -47,8 +47,12 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
         decode = f", decode {outcome.decode_ratio:.3f}x" if outcome.decode_ratio else ""
         lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
     split = ", ".join(f"{k} {v:.0f} s" for k, v in sel.fit_seconds.items())
-    seconds = ", ".join(f"{k} {v:.0f} s" + (f" ({split})" if k == "fit" and split else "") for k, v in sel.seconds.items())
+    seconds = ", ".join(f"{k} {v:.0f} s" + (f" ({split})" if k == "fit" and split else "") for k, v in (sel.seconds | outcome.seconds).items())
     resumed = [("resumed", "from the work folder's finished units: " + ", ".join(f"{k} {v}" for k, v in outcome.resumed.items()))] if outcome.resumed else []
+    kept = outcome.checkpoints
+    if kept.get("units"):
+        resumed.append(("checkpoints", f"{kept['units']} units written to {written.parent if written.name == 'model.onnx' else written}.work in "
+                                       f"{kept['seconds']:.1f} s ({kept['bytes'] / 2**20:.0f} MiB; removed now the run is done)"))
     return lines + [("time", seconds), *resumed, ("written", f"{written} (+ selection.json, selection.png)")]
 
 

@@ -20,7 +20,7 @@ from surgery.equations import FitResult, NormalEquations
 from surgery.errors import SurgeryError
 from surgery.passes import Fix
 
-TIMES = {"seconds", "fit_seconds", "latency", "fit_memory", "estimated_speedup", "resumed"}  # measured, not computed
+TIMES = {"seconds", "fit_seconds", "latency", "fit_memory", "estimated_speedup", "resumed", "checkpoints"}  # measured, not computed
 JOB = ["--seq-len", "32", "--fit-windows", "8", "--windows", "8", "--eval-windows", "2", "--no-latency", "--max-kl", "none",
        "--max-loss-increase", "1"]
 
@@ -137,6 +137,23 @@ def test_a_work_folder_of_other_options_is_refused_in_one_line_and_restart_disca
         f"error: {work_folder(broken)} is not a work folder this surgery can read; delete it, or add --restart to discard it")
 
 
+def test_a_work_folder_in_use_by_another_run_is_refused_and_the_lock_goes_with_its_process(tmp_path):
+    work = Checkpoints.open(tmp_path / "out", {"model": "a"})
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from surgery.checkpoint import Checkpoints; "
+                               f"Checkpoints.open({str(tmp_path / 'other')!r}, {{}}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(SurgeryError, match=r"other.work is in use by another run writing the same output; wait for it to finish, or choose another -o"):
+        Checkpoints.open(tmp_path / "other", {}, restart=True)  # not even --restart takes it from a live run
+    holder.kill()
+    holder.wait()
+    Checkpoints.open(tmp_path / "other", {}).close()  # killed: its lock went with it
+    with pytest.raises(SurgeryError, match="out.work is in use by another run"):
+        Checkpoints.open(tmp_path / "out", {"model": "a"})  # open in this process: refused until closed
+    work.finish()
+    assert not work_folder(tmp_path / "out").exists()
+
+
 def test_a_checkpoint_holds_the_fit_and_the_scores_exactly_and_rebuilds_no_other_type(tmp_path):
     rng = np.random.default_rng(0)
     sums = NormalEquations(4)
@@ -145,9 +162,10 @@ def test_a_checkpoint_holds_the_fit_and_the_scores_exactly_and_rebuilds_no_other
     fit = FitResult(2, Fix(w_a=rng.standard_normal((4, 4)), w_p=0.5, packed=(None, np.arange(6, dtype=np.uint8))), 1e-3, 0.25, 0.01, 10,
                     scores={"c": 0.1, "c_stream": 0.2, "alpha": 1.1})
     score = evaluate.Perplexity(2.0, 7.39, 20, 2, 0.5, (1.5, 2.5), (10, 10), (0.1, 0.2), (3, 4), tuple(rng.random(20).tolist()), tuple(range(20)))
-    work = Checkpoints.open(tmp_path / "out", {"model": "a"})
-    work.save("unit", {"sums": {3: sums}, "fit": fit, "score": score, "rows": [np.ones(2), None, "x"]})
-    back = Checkpoints.open(tmp_path / "out", {"model": "a"}).load("unit")
+    with Checkpoints.open(tmp_path / "out", {"model": "a"}) as work:
+        work.save("unit", {"sums": {3: sums}, "fit": fit, "score": score, "rows": [np.ones(2), None, "x"]})
+    work = Checkpoints.open(tmp_path / "out", {"model": "a"})  # closed: this process may open it again
+    back = work.load("unit")
     for name in ("zz", "zd", "dd", "tokens", "yy"):
         np.testing.assert_array_equal(getattr(back["sums"][3], name), getattr(sums, name))
     np.testing.assert_array_equal(back["sums"][3].grams["o_in"], sums.grams["o_in"])

@@ -181,28 +181,28 @@ def _diagnose(
                                               "calibration windows": digest(cal.ids), "evaluation windows": None if ev is None else digest(ev.ids),
                                               "only": sorted(only), "critical_seeds": critical_seeds, "seed": seed,
                                               "device": runtime.providers(options.device)[0]}, restart=restart)
-
-    if (scores := work.load("scores")) is None:
-        scores = _scores(model, blocks, cal, only, critical_seeds, options, tell, pool, seconds) if set(only) & PROBED else {}
-        work.save("scores", scores)
-    fits: dict = {}
-    if "defect" in only:
-        with _timed(seconds, "fit"):
-            fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=memory.memory_bound(None),
-                                    progress=lambda d, t: tell("compensation fit", d, t), work=work.scope("fit"))
-    sensitivity = None
-    if "prefix" in only and (sensitivity := work.load("prefix")) is None:
-        with _timed(seconds, "prefix"):
-            sensitivity = _prefix(model, cal, seq_len, options, np.random.default_rng(seed), tell)
-        work.save("prefix", sensitivity)
-    defect = ablation = None
-    if ev is not None:
-        with _timed(seconds, "losses"):
-            read_windows["evaluation"] = _describe(ev)
-            losses = _losses(model, blocks, ev, only, fits, options, tell, pool, work.scope("losses"))
-            defect = _defect(scores["defect"], fits, losses, n) if "defect" in only else None
-            ablation = _ablation(losses, n) if "ablation" in only else None
-    work.finish()
+    with work:  # its lock released however diagnose ends
+        if (scores := work.load("scores")) is None:
+            scores = _scores(model, blocks, cal, only, critical_seeds, options, tell, pool, seconds) if set(only) & PROBED else {}
+            work.save("scores", scores)
+        fits: dict = {}
+        if "defect" in only:
+            with _timed(seconds, "fit"):
+                fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=memory.memory_bound(None),
+                                        progress=lambda d, t: tell("compensation fit", d, t), work=work.scope("fit"))
+        sensitivity = None
+        if "prefix" in only and (sensitivity := work.load("prefix")) is None:
+            with _timed(seconds, "prefix"):
+                sensitivity = _prefix(model, cal, seq_len, options, np.random.default_rng(seed), tell)
+            work.save("prefix", sensitivity)
+        defect = ablation = None
+        if ev is not None:
+            with _timed(seconds, "losses"):
+                read_windows["evaluation"] = _describe(ev)
+                losses = _losses(model, blocks, ev, only, fits, options, tell, pool, work.scope("losses"))
+                defect = _defect(scores["defect"], fits, losses, n) if "defect" in only else None
+                ablation = _ablation(losses, n) if "ablation" in only else None
+        work.finish()
     return Diagnosis(model=about, windows=read_windows, seconds=seconds, deficit=scores.get("deficit"), diversity=scores.get("diversity"),
                      defect=defect, gate=scores.get("gate"), critical=scores.get("critical"), prefix=sensitivity, ablation=ablation)
 
