@@ -15,8 +15,9 @@ surgery's version): `manifest.json`. A run whose fingerprint differs is refused 
 differs; `restart` discards the folder instead. A finished run removes it, so a folder that exists is always
 an interrupted run's.
 
-Mid-pass snapshots (`due`) are spaced so that writing them costs at most 1 / RATIO of the time between them
-and they come at most every `every` seconds (SURGERY_CHECKPOINT_SECONDS; 0: at every unit, for tests).
+Mid-pass snapshots (`due`) are spaced so that writing them costs at most 1 / RATIO of the time between them (the
+cost of the next one foreseen from its bytes and the slowest rate a save has had, RATE before the first) and they
+come at most every `every` seconds (SURGERY_CHECKPOINT_SECONDS; 0: at every unit, for tests).
 
 Tests stop a run at a named unit: with SURGERY_PAUSE_AT set to a unit's name (a glob) and SURGERY_PAUSE_FILE to a
 path, the process that reaches that unit first writes its pid to the file and sleeps until it is killed; once the
@@ -48,6 +49,7 @@ MANIFEST = "manifest.json"
 LOCK = "lock"  # flock'ed by the run using the folder
 RATIO = 50  # a snapshot costs at most 1 / RATIO of the work since the last one: 2 %
 EVERY = 60.0  # seconds between mid-pass snapshots, at least (SURGERY_CHECKPOINT_SECONDS)
+RATE = 100e6  # bytes per second a save is assumed to write before one has been timed
 # The classes a checkpoint may rebuild (module, name): data only, their fields set from what was stored.
 TYPES = frozenset({
     ("surgery.equations", "FitResult"), ("surgery.equations", "NormalEquations"), ("surgery.equations", "InputEquations"),
@@ -62,7 +64,7 @@ class Checkpoints:
     def __init__(self, folder: Path | None, every: float | None = None, prefix: str = ""):
         self.folder, self.prefix = folder, prefix
         self.every = float(os.environ.get("SURGERY_CHECKPOINT_SECONDS", EVERY)) if every is None else every
-        self._last, self._cost = time.perf_counter(), 0.0
+        self._last, self._cost, self._rate = time.perf_counter(), 0.0, RATE  # the last save's end and seconds; the slowest bytes/s
         self.loaded: list[str] = []  # the units this run read back: what it resumed from
         self.cost = {"seconds": 0.0, "bytes": 0, "units": 0}  # what writing units has cost this run (shared by its scopes)
         self._lock: int | None = None  # the descriptor holding the folder's lock (open's)
@@ -152,9 +154,12 @@ class Checkpoints:
             _atomic(path, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **{f"a{i}": a for i, a in enumerate(arrays)}))
         self._last = time.perf_counter()
         self._cost = self._last - start
+        size = path.stat().st_size
         self.cost["seconds"] += self._cost
-        self.cost["bytes"] += path.stat().st_size
+        self.cost["bytes"] += size
         self.cost["units"] += 1
+        if size > 1 << 20:  # a rate from a save big enough to time
+            self._rate = min(self._rate, size / max(self._cost, 1e-9))
 
     def resumed(self) -> dict[str, int]:
         """How many finished units this run read back, by step (the first part of their names): {} for a fresh run."""
@@ -163,9 +168,11 @@ class Checkpoints:
             counts[unit.split("/")[0]] = counts.get(unit.split("/")[0], 0) + 1
         return counts
 
-    def due(self) -> bool:
-        """Whether a mid-pass snapshot is due: `every` seconds since the last save, and RATIO times what it took."""
-        return self.folder is not None and time.perf_counter() - self._last >= max(self.every, RATIO * self._cost)
+    def due(self, nbytes: int = 0) -> bool:
+        """Whether a mid-pass snapshot of about `nbytes` is due: `every` seconds since the last save, and RATIO times what
+        the last save took and what this one will take at the slowest rate seen."""
+        wait = max(self.every, RATIO * max(self._cost, nbytes / self._rate))
+        return self.folder is not None and time.perf_counter() - self._last >= wait
 
     def drop(self, unit: str) -> None:
         """Remove a unit that a later one replaces (a pass's snapshot, once the pass's result is kept)."""

@@ -245,7 +245,7 @@ class _Runner:
             handed.extend(stream)
             for key, value in clock.items():
                 self.clock[key] += value
-            if j + 1 < len(rows) and self.work.due():
+            if j + 1 < len(rows) and self.work.due(sum(eq.nbytes_held for eq in sums.values())):
                 self.work.save(unit, {"done": j + 1, "sums": sums, "handed": handed})
         return sums, handed
 

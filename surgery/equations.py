@@ -85,6 +85,12 @@ class _Sums:
         self.dd[fold] += float(np.sum(energy))
         self.tokens[fold] += len(z)
 
+    @property
+    def nbytes_held(self) -> int:
+        """The bytes these sums take (what a snapshot of them writes)."""
+        arrays = [a for a in vars(self).values() if isinstance(a, np.ndarray)] + list(getattr(self, "grams", {}).values())
+        return sum(a.nbytes for a in arrays)
+
     def add(self, other: "_Sums") -> None:
         """Add another's sums (of other windows) to these."""
         for mine, theirs in ((self.zz, other.zz), (self.zd, other.zd), (self.dd, other.dd), (self.tokens, other.tokens)):

@@ -249,4 +249,9 @@ def test_snapshots_are_spaced_so_that_writing_them_costs_at_most_one_part_in_rat
     assert not work.due()  # 10 s of work after a 1 s write: not yet
     clock[0] += checkpoint.RATIO - 10
     assert work.due()
+    big = int(2 * checkpoint.RATE)  # a snapshot foreseen to take 2 s at the assumed rate: RATIO times that since the last save
+    assert not work.due(big)
+    clock[0] += checkpoint.RATIO
+    assert work.due(big)
+    assert NormalEquations(4).nbytes_held == NormalEquations.nbytes(4) + 3 * 16  # the sums, and dd, yy, tokens per fold
     assert not Checkpoints.off().due() and Checkpoints.off().load("snapshot") is None
