@@ -358,7 +358,7 @@ def _fit_chunk(plan: FitPlan, runner: _Runner, c: int, streams: list[np.ndarray]
         runner.tick(len(plan.rows) + (len(plan.input_rows) if plan.sides.intersection(chunk) else 0))
         return done["results"], done["streams"]
     resume, hand_on = chunk[0] if c else None, plan.chunks[c + 1][0] if c + 1 < len(plan.chunks) else None
-    input_sides = _fit_input_sides(plan, runner, c, resume, streams, ridges)
+    input_sides = _fit_input_sides(plan, runner, c, resume, streams, ridges, requantize)
     graph = fit_graph(plan.subject, plan.fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq",
                       input_sides={l: side for l, (side, _) in input_sides.items()})
     sums, streams = runner.run(graph, chunk, streams, "outputs", plan.rows, f"chunk-{c}-outputs")
@@ -373,9 +373,11 @@ def _fit_chunk(plan: FitPlan, runner: _Runner, c: int, streams: list[np.ndarray]
 
 
 def _fit_input_sides(plan: FitPlan, runner: _Runner, c: int, resume: int | None,
-                     streams: list[np.ndarray] | None, ridges) -> dict[int, tuple[Fix, float]]:
+                     streams: list[np.ndarray] | None, ridges, requantize: str) -> dict[int, tuple[Fix, float]]:
     """The input side's pass over chunk c's layers that get one, from the same stream as the output side's (which
-    hands it on), and its solve: per layer, the input side and its held-out residual fraction (a checkpoint unit)."""
+    hands it on), and its solve: per layer, the input side and its held-out residual fraction (a checkpoint unit).
+    Where the mlp's input projections are MatMulNBits, `gptq` chooses the codes of (I + w_in) W error-aware on the
+    second moment of what they read, u, which the pass summed (Fix.packed_in)."""
     chunk = plan.chunks[c]
     sided = [l for l in chunk if l in plan.sides]
     if not sided:
@@ -389,9 +391,23 @@ def _fit_input_sides(plan: FitPlan, runner: _Runner, c: int, resume: int | None,
     solved = {layer: sums[layer].solve(ridges) for layer in sided}
     runner.clock["solve"] += time.perf_counter() - start
     sides = {layer: side for layer, side in solved.items() if side is not None}
+    if requantize == "gptq":
+        sides = {layer: (_input_codes(plan, layer, fix, sums[layer]), residual) for layer, (fix, residual) in sides.items()}
     runner.work.save(f"chunk-{c}-input-sides", sides)
     runner.work.drop(f"chunk-{c}-inputs")
     return sides
+
+
+def _input_codes(plan: FitPlan, layer: int, side: Fix, sums: InputEquations) -> Fix:
+    """The input side with the codes of its MatMulNBits mlp input projections chosen error-aware (GPTQ on sum u u', the
+    top-left block of the input equations' z'z over both folds); unchanged where they are float projections."""
+    found = projection.mlp_inputs(plan.model, plan.values, plan.blocks[layer])
+    if isinstance(found, str) or all(p.quant is None for p in found[1]):
+        return side
+    d = sums.zd.shape[2]
+    gram = sums.zz[:, :d, :d].sum(0)
+    codes = tuple(None if p.quant is None else p.quant.packed(p.quant.gptq(side.fold_input(p)[0], gram)) for p in found[1])
+    return dataclasses.replace(side, packed_in=codes)
 
 
 def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], kind: str, ridges,
@@ -408,7 +424,7 @@ def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], ki
             kept = plan.fixes.get(layer) if layer in plan.compensated else None
             side, residual = input_sides.get(layer, (kept, None))
             if side is not None and side.fixes_input:
-                fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in)
+                fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in, packed_in=side.packed_in)
                 result = dataclasses.replace(result, fix=fix, input_residual=residual)
             if sums[layer].grams:
                 result = dataclasses.replace(result, fix=requantized(plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
