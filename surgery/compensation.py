@@ -1,6 +1,6 @@
 """The compensation fit: a ridge least-squares fix of each block's sequential-to-parallel defect.
 
-The input side first (where the mlp's input projections are plain float ones): with u = ln2(resid_pre) and
+The input side first (where the mlp's input projections are found): with u = ln2(resid_pre) and
 v = ln2(resid_mid) as the mlp's input projections read them, fit v - u ~ [u, 1] W_in, so the parallel block's mlp
 reads u' = u (I + w_in) + b_in, a linear prediction of the input it had in the sequential block (folded into
 W_gate and W_up: no extra op). Then the output side: A = attn_out, P = mlp(u') (mlp(u) without an input side) and
@@ -33,7 +33,10 @@ Quantized output projections (MatMulNBits W_o and W_down): the fix is fitted on 
 and the same pass sums x x' of each projection's input (the parallel block's, for W_down: K_o^2 + K_down^2 more
 doubles per layer); after the solve the codes of W_o (I + w_a) and W_down (I + w_p) are chosen on the node's own
 scales error-aware with those moments (GPTQ, surgery.nbits), kept in Fix.packed; `requantize="nearest"` gathers
-nothing and leaves them to the fold, which rounds to nearest.
+nothing and leaves them to the fold, which rounds to nearest. Quantized mlp input projections (MatMulNBits W_gate and
+W_up, or a packed gate_up): the codes of (I + w_in) W are chosen the same way on sum u u', which the input side's
+pass sums anyway (Fix.packed_in), and the output side's pass computes the parallel mlp through those codes, so the
+output side fits what will run.
 """
 
 from __future__ import annotations
@@ -310,7 +313,7 @@ def fit(
             over the actors) and solve (the ridge choice, the solve and any requantization).
         requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE): `gptq`, error-aware on the second moments of
             their inputs gathered in the same pass, or `nearest`.
-        input_side: a full fix also gets an input side (Fix.w_in, b_in) where the mlp's input projections are plain (not MatMulNBits) ones, fitted in a
+        input_side: a full fix also gets an input side (Fix.w_in, b_in) where the mlp's input projections are found (MatMulNBits ones requantized), fitted in a
             pass of its own first; the output side then fits the defect the input-fixed mlp leaves. A block compensated while fitted keeps its input side.
         input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None): its equations have d_model + 1 unknowns
             per output, the output side's 2 d_model + 1, and its ridge is chosen on the same alternating folds of the windows it runs on.
@@ -494,7 +497,7 @@ def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, m
 
 
 def _input_sided(subject: Subject, layers: Collection[int], skip: Collection[int] = ()) -> set[int]:
-    """The layers whose fix gets an input side: its mlp's input projections are plain ones (not MatMulNBits), the fix
+    """The layers whose fix gets an input side: its mlp's input projections are found (float or MatMulNBits), the fix
     folds, and the layer is not in `skip` (compensated already: it keeps its fix's)."""
     model, values, blocks = subject.model, subject.values, subject.blocks
     return {l for l in layers if l not in skip and _no_fold(model, blocks[l]) is None
