@@ -1,6 +1,6 @@
 """The compensation fit: a ridge least-squares fix of each block's sequential-to-parallel defect.
 
-The input side first (where the mlp's input projections are plain float ones): with u = ln2(resid_pre) and
+The input side first (where the mlp's input projections are found): with u = ln2(resid_pre) and
 v = ln2(resid_mid) as the mlp's input projections read them, fit v - u ~ [u, 1] W_in, so the parallel block's mlp
 reads u' = u (I + w_in) + b_in, a linear prediction of the input it had in the sequential block (folded into
 W_gate and W_up: no extra op). Then the output side: A = attn_out, P = mlp(u') (mlp(u) without an input side) and
@@ -33,7 +33,10 @@ Quantized output projections (MatMulNBits W_o and W_down): the fix is fitted on 
 and the same pass sums x x' of each projection's input (the parallel block's, for W_down: K_o^2 + K_down^2 more
 doubles per layer); after the solve the codes of W_o (I + w_a) and W_down (I + w_p) are chosen on the node's own
 scales error-aware with those moments (GPTQ, surgery.nbits), kept in Fix.packed; `requantize="nearest"` gathers
-nothing and leaves them to the fold, which rounds to nearest.
+nothing and leaves them to the fold, which rounds to nearest. Quantized mlp input projections (MatMulNBits W_gate and
+W_up, or a packed gate_up): the codes of (I + w_in) W are chosen the same way on sum u u', which the input side's
+pass sums anyway (Fix.packed_in), and the output side's pass computes the parallel mlp through those codes, so the
+output side fits what will run.
 """
 
 from __future__ import annotations
@@ -310,7 +313,7 @@ def fit(
             over the actors) and solve (the ridge choice, the solve and any requantization).
         requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE): `gptq`, error-aware on the second moments of
             their inputs gathered in the same pass, or `nearest`.
-        input_side: a full fix also gets an input side (Fix.w_in, b_in) where the mlp's input projections are plain (not MatMulNBits) ones, fitted in a
+        input_side: a full fix also gets an input side (Fix.w_in, b_in) where the mlp's input projections are found (MatMulNBits ones requantized), fitted in a
             pass of its own first; the output side then fits the defect the input-fixed mlp leaves. A block compensated while fitted keeps its input side.
         input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None): its equations have d_model + 1 unknowns
             per output, the output side's 2 d_model + 1, and its ridge is chosen on the same alternating folds of the windows it runs on.
@@ -358,7 +361,7 @@ def _fit_chunk(plan: FitPlan, runner: _Runner, c: int, streams: list[np.ndarray]
         runner.tick(len(plan.rows) + (len(plan.input_rows) if plan.sides.intersection(chunk) else 0))
         return done["results"], done["streams"]
     resume, hand_on = chunk[0] if c else None, plan.chunks[c + 1][0] if c + 1 < len(plan.chunks) else None
-    input_sides = _fit_input_sides(plan, runner, c, resume, streams, ridges)
+    input_sides = _fit_input_sides(plan, runner, c, resume, streams, ridges, requantize)
     graph = fit_graph(plan.subject, plan.fixes, chunk, resume=resume, hand_on=hand_on, inputs=requantize == "gptq",
                       input_sides={l: side for l, (side, _) in input_sides.items()})
     sums, streams = runner.run(graph, chunk, streams, "outputs", plan.rows, f"chunk-{c}-outputs")
@@ -373,9 +376,11 @@ def _fit_chunk(plan: FitPlan, runner: _Runner, c: int, streams: list[np.ndarray]
 
 
 def _fit_input_sides(plan: FitPlan, runner: _Runner, c: int, resume: int | None,
-                     streams: list[np.ndarray] | None, ridges) -> dict[int, tuple[Fix, float]]:
+                     streams: list[np.ndarray] | None, ridges, requantize: str) -> dict[int, tuple[Fix, float]]:
     """The input side's pass over chunk c's layers that get one, from the same stream as the output side's (which
-    hands it on), and its solve: per layer, the input side and its held-out residual fraction (a checkpoint unit)."""
+    hands it on), and its solve: per layer, the input side and its held-out residual fraction (a checkpoint unit).
+    Where the mlp's input projections are MatMulNBits, `gptq` chooses the codes of (I + w_in) W error-aware on the
+    second moment of what they read, u, which the pass summed (Fix.packed_in)."""
     chunk = plan.chunks[c]
     sided = [l for l in chunk if l in plan.sides]
     if not sided:
@@ -389,9 +394,23 @@ def _fit_input_sides(plan: FitPlan, runner: _Runner, c: int, resume: int | None,
     solved = {layer: sums[layer].solve(ridges) for layer in sided}
     runner.clock["solve"] += time.perf_counter() - start
     sides = {layer: side for layer, side in solved.items() if side is not None}
+    if requantize == "gptq":
+        sides = {layer: (_input_codes(plan, layer, fix, sums[layer]), residual) for layer, (fix, residual) in sides.items()}
     runner.work.save(f"chunk-{c}-input-sides", sides)
     runner.work.drop(f"chunk-{c}-inputs")
     return sides
+
+
+def _input_codes(plan: FitPlan, layer: int, side: Fix, sums: InputEquations) -> Fix:
+    """The input side with the codes of its MatMulNBits mlp input projections chosen error-aware (GPTQ on sum u u', the
+    top-left block of the input equations' z'z over both folds); unchanged where they are float projections."""
+    found = projection.mlp_inputs(plan.model, plan.values, plan.blocks[layer])
+    if isinstance(found, str) or all(p.quant is None for p in found[1]):
+        return side
+    d = sums.zd.shape[2]
+    gram = sums.zz[:, :d, :d].sum(0)
+    codes = tuple(None if p.quant is None else p.quant.packed(p.quant.gptq(side.fold_input(p)[0], gram)) for p in found[1])
+    return dataclasses.replace(side, packed_in=codes)
 
 
 def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], kind: str, ridges,
@@ -408,7 +427,7 @@ def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], ki
             kept = plan.fixes.get(layer) if layer in plan.compensated else None
             side, residual = input_sides.get(layer, (kept, None))
             if side is not None and side.fixes_input:
-                fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in)
+                fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in, packed_in=side.packed_in)
                 result = dataclasses.replace(result, fix=fix, input_residual=residual)
             if sums[layer].grams:
                 result = dataclasses.replace(result, fix=requantized(plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
@@ -478,7 +497,7 @@ def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, m
 
 
 def _input_sided(subject: Subject, layers: Collection[int], skip: Collection[int] = ()) -> set[int]:
-    """The layers whose fix gets an input side: its mlp's input projections are plain ones (not MatMulNBits), the fix
+    """The layers whose fix gets an input side: its mlp's input projections are found (float or MatMulNBits), the fix
     folds, and the layer is not in `skip` (compensated already: it keeps its fix's)."""
     model, values, blocks = subject.model, subject.values, subject.blocks
     return {l for l in layers if l not in skip and _no_fold(model, blocks[l]) is None

@@ -2,6 +2,7 @@
 optimizer's, built inside the test from tiny random HF models, read and rewritten like our own exports."""
 
 import collections
+import dataclasses
 import json
 
 import numpy as np
@@ -432,10 +433,31 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     values = nodes.values_by_name(model)
     block = find_blocks(model)[1]
     attn, mlp = (projection.producing(values[v], 1, v) for v in (block.attn_out, block.mlp_out))
+    side = Fix(w_in=fit.fix.w_in, b_in=fit.fix.b_in, packed_in=fit.fix.packed_in)  # the fit's input side, which W_down's input has passed
+    sided = compensation.Accumulator(fit_graph(model, layers=[1], input_sides={1: side})).run([1], IDS, 0, switched(3))[0][1]
     for p, (w, _), packed, name in zip((attn, mlp), fit.fix.fold(attn, mlp), fit.fix.packed, ("o_in", "down_in")):
-        np.testing.assert_array_equal(packed, p.quant.packed(p.quant.gptq(w, sums[1].grams[name])))
+        np.testing.assert_array_equal(packed, p.quant.packed(p.quant.gptq(w, sided.grams[name])))
         assert not np.array_equal(packed, p.quant.packed(p.quant.round(w)))  # error-aware is not rounding to nearest
-    assert compensation.fit(model, windows, [1], requantize="nearest")[1].fix.packed == (None, None)
+    nearest = compensation.fit(model, windows, [1], requantize="nearest")[1].fix
+    assert nearest.packed == (None, None) and nearest.packed_in == () and nearest.w_in is not None
+    # the input side, folded into W_gate / W_up: its codes error-aware on sum u u', u what they read in the parallel block
+    seen_u = []
+    hook = (layer.mlp.gate_proj if hasattr(layer.mlp, "gate_proj") else layer.mlp.up_proj).register_forward_pre_hook(
+        lambda m, a: seen_u.append(a[0][:, 1:].double().numpy()))
+    try:
+        with Edits(hf, parallel={1}), torch.no_grad():
+            hf(input_ids=torch.from_numpy(IDS), use_cache=False)
+    finally:
+        hook.remove()
+    inputs = compensation.Accumulator(fit_graph(model, layers=[1], stage="inputs")).run([1], IDS, 0, switched(3), stage="inputs")[0][1]
+    u = np.concatenate(seen_u, axis=0).reshape(-1, seen_u[0].shape[-1])
+    d = u.shape[1]
+    gram = inputs.zz[:, :d, :d].sum(0)
+    np.testing.assert_allclose(gram, u.T @ u, rtol=1e-4, atol=1e-4 * np.abs(u.T @ u).max())
+    readers = projection.mlp_inputs(model, values, block)[1]
+    assert fit.fix.w_in is not None and len(fit.fix.packed_in) == len(readers)
+    for p, codes in zip(readers, fit.fix.packed_in):
+        np.testing.assert_array_equal(codes, p.quant.packed(p.quant.gptq(fit.fix.fold_input(p)[0], gram)))
 
 
 @pytest.mark.parametrize("name", ["genai-int4", "genai-int4-llama", "genai-int4-qwen2"])
@@ -469,3 +491,71 @@ def test_compensated_int4_codes_are_numpy_s_rounding_of_the_folded_weight(builds
         np.testing.assert_array_equal(codes, (q[..., 0] | (q[..., 1] << 4)).reshape(codes.shape))
         changed += 1
     assert changed == 2
+
+
+@pytest.mark.parametrize("name", ["genai-int4", "genai-int4-qwen2"])
+def test_an_int4_fix_s_input_side_is_numpy_s_rounding_of_the_folded_gate_and_up(builds, name):
+    """The input side folded into MatMulNBits W_gate / W_up: their codes are NumPy's round half up of (I + w_in) W on the
+    node's own scales, b_in W is one bias Add; written, switched on in a switchboard and fused, the three compute the
+    same logits (fp32 activations), and codes chosen by the fit (Fix.packed_in) are written as they are."""
+    from surgery.analysis import switchboard as board_graph
+    from tests.reference import dequantize_matmul_nbits
+
+    model = graph.load(builds.variant(name))
+    d = embedding_table(model)[1]
+    rng = np.random.default_rng(7)
+    fix = Fix(0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal((d, d)), 0.05 * rng.standard_normal(d),
+              w_in=0.05 * rng.standard_normal((d, d)), b_in=0.05 * rng.standard_normal(d))
+    written = compensate(model, {1: fix}).model
+    before = {n.name: n for n in model.graph if n.op_type == "MatMulNBits"}
+    block = find_blocks(model)[1]
+    u, readers = projection.mlp_inputs(model, nodes.values_by_name(model), block)
+    assert readers and all(p.quant is not None for p in readers)
+    shifts = []
+    for p in readers:
+        node = next(n for n in written.graph if n.name == p.node.name)
+        a = {k: v.value for k, v in node.attributes.items()}
+        old, codes = before[p.node.name], node.inputs[1].const_value.numpy()
+        scales = old.inputs[2].const_value.numpy()
+        w = dequantize_matmul_nbits(old.inputs[1].const_value.numpy(), scales, a["K"], a["N"], 4, a["block_size"])
+        folded = (np.eye(d) + fix.w_in) @ w
+        step = np.repeat(scales.astype(np.float64).reshape(a["N"], -1), a["block_size"], axis=1)[:, : a["K"]]
+        q = np.full((a["N"], codes.shape[1] * a["block_size"]), 8.0)
+        q[:, : a["K"]] = np.clip(np.floor(folded.T / step + 0.5) + 8, 0, 15)
+        q = q.astype(np.uint8).reshape(a["N"], -1, 2)
+        np.testing.assert_array_equal(codes, (q[..., 0] | (q[..., 1] << 4)).reshape(codes.shape))
+        [(add, _)] = node.outputs[0].uses()
+        assert add.op_type == "Add"
+        np.testing.assert_allclose(add.inputs[1].const_value.numpy(), fix.b_in @ w, rtol=1e-6, atol=1e-6)
+        shifts.append(p)
+    reference = logits(exact(written))
+    assert np.abs(reference - logits(exact(compensate(model, {1: dataclasses.replace(fix, w_in=None, b_in=None)}).model))).max() > 1e-3
+    board = board_graph.switchboard(exact(model), kinds({1: fix}))
+    assert_logits_equal(board, reference, IDS, Tol(1e-6, 1e-6), extra={board_graph.SWITCHES: switched(3, {1: "compensated"})})
+    assert_logits_equal(exact(fuse(model, {1}, {1: fix}).model), reference, IDS, Tol(1e-5, 1e-5, of_scale=True))
+    chosen = tuple(p.quant.packed(p.quant.round(np.zeros_like(p.weight))) for p in readers)  # any codes: they are written as given
+    again = compensate(model, {1: dataclasses.replace(fix, packed_in=chosen)}).model
+    for p, codes in zip(readers, chosen):
+        np.testing.assert_array_equal(next(n for n in again.graph if n.name == p.node.name).inputs[1].const_value.numpy(), codes)
+
+
+@pytest.mark.parametrize("deployed", ["genai-int4"], indirect=True)
+def test_the_int4_fit_graph_s_parallel_mlp_reads_its_input_side_as_compensate_writes_it(deployed):
+    """With an input side on MatMulNBits W_gate / W_up, the fit graph's parallel mlp output (mlp_x, block 1 switched
+    sequential) is the written compensated block's mlp_out: the requantized codes compensate writes, not the side as
+    float ops before the original codes; the output side is then fitted to what will run."""
+    from surgery.analysis import switchboard as board_graph
+    from surgery.analysis.fit_graph import fit_tap
+
+    model = exact(deployed.onnx)
+    d = embedding_table(model)[1]
+    rng = np.random.default_rng(8)
+    side = Fix(w_in=0.05 * rng.standard_normal((d, d)), b_in=0.05 * rng.standard_normal(d))
+    taps = runtime.session(fit_graph(model, layers=[1], input_sides={1: side}))
+    got = taps.run([fit_tap(1, "mlp_x")], runtime.feeds(taps, IDS[:1], extra={board_graph.SWITCHES: switched(3)}))[0]
+    written = compensate(model, {1: side}).model
+    mlp_out = find_blocks(written)[1].mlp_out
+    written.graph.outputs.append(nodes.values_by_name(written)[mlp_out])
+    session = runtime.session(written)
+    expected = session.run([mlp_out], runtime.feeds(session, IDS[:1]))[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

@@ -25,7 +25,7 @@ from surgery.blocks import BlockMap, branch_nodes
 from surgery.nodes import Emitter, values_by_name
 from surgery.passes import Compensation, Fix, projection
 from surgery.passes.compensate import NAME as COMPENSATE
-from surgery.passes.compensate import input_fixed, mlp_inputs, redirect_readers
+from surgery.passes.compensate import input_fixed, mlp_inputs, redirect_readers, switch_weights
 from surgery.subject import Subject
 
 Form = Literal["compensated", "plain"]  # a parallel block with its fix folded in, or without
@@ -104,8 +104,9 @@ def fit_graph(model: "ir.Model | Subject", fixes: dict[int, Fix] | None = None, 
 
 def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Value], input_sides: dict[int, Fix]) -> None:
     """Output attn_out, mlp_x, delta, resid_post of a sequential block, with its parallelize switch `on` or off, and
-    the mlp's input read from resid_pre and from resid_mid (where its input projections are plain ones); with an input
-    side in `input_sides`, the twin mlp, while it reads resid_pre, reads it through that side."""
+    the mlp's input read from resid_pre and from resid_mid (where its input projections are found); with an input
+    side in `input_sides`, the twin mlp, while it reads resid_pre, reads it through that side: as float ops, or, for
+    MatMulNBits input projections, through the requantized codes compensate writes."""
     if block.is_parallel:
         return
     on, prefix = ons[PARALLEL], f"surgery/fit_taps/blocks.{block.layer}"  # the block's parallelize switch
@@ -119,9 +120,14 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Va
     if not isinstance(mlp_in, str):
         u, twin_u = mlp_in[0], copies[mlp_in[0]]
         readers = {user for user, _ in twin_u.uses()}
-        if block.layer in input_sides:
+        fix = input_sides.get(block.layer)
+        twins = projection.reading(twin_u, block.layer) if fix is not None else []
+        if any(p.quant is not None for p in twins):  # MatMulNBits: their requantized codes, as compensate writes them
+            sides = [(p, fix.fold_input(p), fix.input_codes(i), f"mlp_in.{i}") for i, p in enumerate(twins)]
+            switch_weights(board, sides, e.op("Not", [on], "twin_parallel"), f"{prefix}/twin")
+        elif fix is not None:
             side = board.emitter(f"{prefix}/twin/mlp_in")
-            fixed = input_fixed(board, side, twin_u, input_sides[block.layer])
+            fixed = input_fixed(board, side, twin_u, fix)
             redirect_readers(twin_u, side.op("Where", [on, twin_u, fixed], "chosen"), readers)
         # ln2 of resid_pre and of resid_mid, each from a copy of ln2's nodes: whatever the switches, and without
         # reading ln2's own output, which the parallelize switch requires the branch alone to read

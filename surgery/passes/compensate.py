@@ -78,7 +78,8 @@ class Compensate(Pass):
         where = "W_o and W_down"
         if fix.fixes_input:
             for i, p in enumerate(_input_side(subject.model, block, values)):  # block: parallel now, ln2 reads resid_pre
-                out = projection.set_weights(g, p, *projection.rounded(p, *fix.fold_input(p)), node_name(NAME, layer, f"mlp_in.{i}"))
+                weights = projection.rounded(p, *fix.fold_input(p), fix.input_codes(i))
+                out = projection.set_weights(g, p, *weights, node_name(NAME, layer, f"mlp_in.{i}"))
                 for node in {p.node, out.producer()}:
                     tag(node, NAME, layer)
             where = "W_o, W_down and the mlp's input projections"
@@ -208,10 +209,17 @@ def _switch(board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
         fixed = _fix_added(board, Emitter(prefix, nodes=built), board.output(block, "mlp"), block, fix, prefix)
         board.choose(block, "mlp", on, built, fixed, f"{prefix}/chosen", lazy=False)
         return
-    values, e = board.values, board.emitter()
-    attn, mlp = projection.outputs(values, block, NAME)
+    attn, mlp = projection.outputs(board.values, block, NAME)
     sides = list(zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")))
-    sides += [(p, fix.fold_input(p), None, f"mlp_in.{i}") for i, p in enumerate(inputs)]
+    sides += [(p, fix.fold_input(p), fix.input_codes(i), f"mlp_in.{i}") for i, p in enumerate(inputs)]
+    switch_weights(board, sides, on, prefix)
+
+
+def switch_weights(board, sides: list, on: ir.Value, prefix: str) -> None:
+    """Each (projection, (weight, bias), codes, name) of `sides` computes with that weight and bias (rounded as
+    compensate writes them; MatMulNBits: `codes`, else rounded to nearest) while `on`, and as before otherwise; new
+    nodes and weights are named under `prefix`."""
+    e = board.emitter(prefix)
     for p, (w, b), packed, what in sides:
         w, b = projection.rounded(p, w, b, packed)
         stored = board.weight(f"{prefix}/{what}/weight", w.T if p.transposed else w)

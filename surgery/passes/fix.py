@@ -32,6 +32,8 @@ class Fix:
             them, chosen error-aware by the fit (surgery.nbits); None: a fold rounds them to nearest.
         w_in: [d_model, d_model] array of the input side: the mlp reads u (I + w_in) + b_in; None means 0.
         b_in: [d_model] array of the input side; None means 0.
+        packed_in: for MatMulNBits mlp input projections, the codes of (I + w_in) W of each (in projection.mlp_inputs'
+            order), chosen error-aware by the fit; () or None for one: a fold rounds it to nearest.
     """
 
     w_a: np.ndarray | None = None
@@ -40,6 +42,7 @@ class Fix:
     packed: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
     w_in: np.ndarray | None = None
     b_in: np.ndarray | None = None
+    packed_in: tuple[np.ndarray | None, ...] = ()
 
     @classmethod
     def gate(cls, alpha: float) -> "Fix":
@@ -78,6 +81,10 @@ class Fix:
             b = np.asarray(self.b, np.float64) / mlp.scale
             b_down = b if b_down is None else b_down + b
         return (times(attn.weight, self.w_a), times(attn.bias, self.w_a)), (times(mlp.weight, self.w_p), b_down)
+
+    def input_codes(self, i: int) -> np.ndarray | None:
+        """The chosen codes of the i-th mlp input projection (packed_in), or None: rounded to nearest."""
+        return self.packed_in[i] if i < len(self.packed_in) else None
 
     def fold_input(self, p: "Projection") -> tuple[np.ndarray, np.ndarray | None]:
         """One of the mlp's input projections with the input side folded in, float64: ((I + w_in) W, b + b_in W); a

@@ -242,9 +242,10 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
     concatenated along N; a GenAI qkv_proj is one already), and [o ; down] one along K, its blocks concatenated
     (a residual multiplier goes into its scales)."""
     g, layer = model.graph, block.layer
-    if fix.fixes_input:  # the fit gives MatMulNBits blocks none (projection.mlp_inputs)
-        raise SurgeryError(f"cannot fuse block {layer}: its fix has an mlp input side, and its MatMulNBits W_gate / W_up would need requantizing")
     ln1, ln2 = block_norms(model, block, values)
+    if fix.fixes_input:  # folded into W_gate / W_up (their codes chosen again, as compensate does) before they are joined
+        for i, p in enumerate(projection.reading(values[ln2.output], layer)):
+            projection.set_weights(g, p, *projection.rounded(p, *fix.fold_input(p), fix.input_codes(i)), node_name(NAME, layer, f"mlp_in.{i}"))
     x = values[block.resid_pre]
     attn_out, mlp_out = projection.outputs(values, block)
     built: list[ir.Node] = []

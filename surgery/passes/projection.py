@@ -74,12 +74,22 @@ def reading(source: ir.Value, layer: int) -> list[Projection]:
             found.append(Projection(source, out, w, bias, user, bias_site=site))
         elif user.op_type == "Reshape" and index == 0 and (p := _gemm_after(user, source)) is not None:
             found.append(p)
+        elif user.op_type == nbits.OP and index == 0 and nbits.refusal(user) is None:
+            found.append(_quantized(user, *_bias_after(user.outputs[0])))
         else:
             raise SurgeryError(
                 f"cannot fuse block {layer}: the ln output {source.name!r} feeds {user.op_type} {user.name!r}, "
                 "not a projection; use plain parallel (no --fuse)"
             )
     return found
+
+
+def _quantized(node: ir.Node, out: ir.Value, bias: np.ndarray | None, site: tuple[ir.Node, int] | None) -> Projection:
+    """A MatMulNBits projection, its weight dequantized (float64); its bias the node's own when it holds one."""
+    if bias is None and nbits.optional(node, nbits.BIAS) is not None:
+        bias, site = constant(node.inputs[nbits.BIAS]), (node, nbits.BIAS)
+    q = nbits.read(node)
+    return Projection(node.inputs[0], out, q.dequantize(), bias, node, bias_site=site, quant=q)
 
 
 def _gemm_after(reshape: ir.Node, source: ir.Value) -> Projection | None:
@@ -121,10 +131,7 @@ def producing(out: ir.Value, layer: int, what: str, why: str = "fuse") -> Projec
     if node is not None and node.op_type == nbits.OP:
         if (reason := nbits.refusal(node)) is not None:
             raise SurgeryError(f"cannot {why} block {layer}: {what} {out.name!r} is MatMulNBits, and {reason}")
-        if bias is None and nbits.optional(node, nbits.BIAS) is not None:
-            bias, site = constant(node.inputs[nbits.BIAS]), (node, nbits.BIAS)
-        q = nbits.read(node)
-        return Projection(node.inputs[0], out, q.dequantize(), bias, node, bias_site=site, quant=q)
+        return _quantized(node, out, bias, site)
     if node is not None and node.op_type == "Reshape":
         gemm = node.inputs[0].producer()
         first = gemm.inputs[0].producer() if gemm is not None and gemm.op_type == "Gemm" else None
@@ -142,9 +149,9 @@ def outputs(values: dict[str, ir.Value], block: BlockMap, why: str = "fuse") -> 
 
 
 def mlp_inputs(model: ir.Model, values: dict[str, ir.Value], block: BlockMap) -> tuple[ir.Value, list[Projection]] | str:
-    """The value the mlp's input projections read (ln2's output) and those projections (W_gate and W_up, or W_fc), the
-    sites an input fix (Fix.w_in, b_in) folds into; or one line saying why there are none to fold into (MatMulNBits
-    weights, which an input fix would have to requantize, or a graph shape the passes do not read)."""
+    """The value the mlp's input projections read (ln2's output) and those projections (W_gate and W_up, the GenAI
+    builder's packed gate_up, or W_fc; MatMulNBits ones are requantized when a fix folds into them), the sites an input
+    fix (Fix.w_in, b_in) folds into; or one line saying why there are none to fold into (a graph shape the passes do not read)."""
     try:
         source = values[block_norms(model, block, values)[1].output]
         found = reading(source, block.layer)
