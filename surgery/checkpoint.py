@@ -171,8 +171,9 @@ class Checkpoints:
     def due(self, nbytes: int = 0) -> bool:
         """Whether a mid-pass snapshot of about `nbytes` is due: `every` seconds since the last save, and RATIO times what
         the last save took and what this one will take at the slowest rate seen."""
-        wait = max(self.every, RATIO * max(self._cost, nbytes / self._rate))
-        return self.folder is not None and time.perf_counter() - self._last >= wait
+        if self.folder is None or self.every <= 0:  # every 0: a snapshot at every unit (tests)
+            return self.folder is not None
+        return time.perf_counter() - self._last >= max(self.every, RATIO * max(self._cost, nbytes / self._rate))
 
     def drop(self, unit: str) -> None:
         """Remove a unit that a later one replaces (a pass's snapshot, once the pass's result is kept)."""
@@ -256,7 +257,7 @@ def _claim(folder: Path) -> int | None:
     except ImportError:
         return None
     try:
-        fd = os.open(folder / LOCK, os.O_CREAT | os.O_RDWR)
+        fd = os.open(folder / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
     except OSError as e:
         raise SurgeryError(f"cannot use the work folder {folder} ({e.strerror or e}); choose an output where you can write") from None
     try:

@@ -255,3 +255,4 @@ def test_snapshots_are_spaced_so_that_writing_them_costs_at_most_one_part_in_rat
     assert work.due(big)
     assert NormalEquations(4).nbytes_held == NormalEquations.nbytes(4) + 3 * 16  # the sums, and dd, yy, tokens per fold
     assert not Checkpoints.off().due() and Checkpoints.off().load("snapshot") is None
+    assert Checkpoints.open(tmp_path / "every", {}, every=0).due(10**12)  # every 0 (SURGERY_CHECKPOINT_SECONDS=0): always
