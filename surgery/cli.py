@@ -80,6 +80,8 @@ SeqLen = Annotated[int, typer.Option(help="Tokens per window.", rich_help_panel=
 Device = Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.", rich_help_panel=RUNTIME)]
 Tokenizer = Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)]
 Threads = Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)]
+Checkpointing = Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="Keep finished work in OUT.work beside the output (the main job's, diagnose's); the same command run again after a fault resumes from it. Removed when the run finishes.", rich_help_panel=OUTPUT)]
+Restart = Annotated[bool, typer.Option("--restart", help="Discard OUT.work (an interrupted run's work) and start over.", rich_help_panel=OUTPUT)]
 
 
 def _command(example: str, *, runs_ort: bool = False):
@@ -255,8 +257,8 @@ def parallelize(
     workers: Annotated[Optional[int], typer.Option(help="auto: run the fit pass and the selection trials on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="auto: run the fit pass and the selection trials on the Ray cluster at ADDRESS.", rich_help_panel=CLUSTER)] = None,
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).", rich_help_panel=OUTPUT)] = ...,
-    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="auto: keep finished work in OUT.work beside the output; the same command run again after a fault resumes from it. Removed when the run finishes.", rich_help_panel=OUTPUT)] = True,
-    restart: Annotated[bool, typer.Option("--restart", help="auto: discard OUT.work (an interrupted run's work) and start over.", rich_help_panel=OUTPUT)] = False,
+    checkpoints: Checkpointing = True,
+    restart: Restart = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
@@ -413,9 +415,9 @@ def diagnose(
     workers: Annotated[Optional[int], typer.Option(help="Score the windows on a local Ray cluster of N CPUs it starts and stops (pip install 'surgery\\[ray]').", rich_help_panel=CLUSTER), AtLeast(1)] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Score the windows on the Ray cluster at ADDRESS (one actor per CPU).", rich_help_panel=CLUSTER)] = None,
     report_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md, report.html and PNG plots.", rich_help_panel=OUTPUT)] = ...,
-    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="Keep finished steps in OUT.work beside the report; the same command run again after a fault resumes from it.", rich_help_panel=OUTPUT)] = True,
-    restart: Annotated[bool, typer.Option("--restart", help="Discard OUT.work (an interrupted run's work) and start over.", rich_help_panel=OUTPUT)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.", rich_help_panel=OUTPUT)] = False,
+    checkpoints: Checkpointing = True,
+    restart: Restart = False,
 ) -> None:
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
     from surgery import output, report, runtime
