@@ -51,6 +51,7 @@ import numpy as np
 import onnx_ir as ir
 
 from surgery import checkpoint, cluster, memory, runtime
+from surgery import requantization
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, Stage, fit_graph, fit_tap, switched
 from surgery.blocks import BlockMap
@@ -191,7 +192,7 @@ def _plan(subject: Subject, windows: Windows, layers: Collection[int] | None, fi
     return FitPlan(
         subject=subject,
         blocks={b.layer: b for b in blocks},
-        chunks=_chunks(todo, table[1], memory_bytes, pool.copies, _input_widths(subject, todo, requantize)),
+        chunks=_chunks(todo, table[1], memory_bytes, pool.copies, requantization.input_widths(subject, todo, requantize)),
         sides=_input_sided(subject, todo, skip=compensated) if input_side and kind == "full" else set(),
         no_fold=no_fold,
         rows=np.arange(len(windows)),
@@ -395,22 +396,11 @@ def _fit_input_sides(plan: FitPlan, runner: _Runner, c: int, resume: int | None,
     runner.clock["solve"] += time.perf_counter() - start
     sides = {layer: side for layer, side in solved.items() if side is not None}
     if requantize == "gptq":
-        sides = {layer: (_input_codes(plan, layer, fix, sums[layer]), residual) for layer, (fix, residual) in sides.items()}
+        sides = {layer: (requantization.input_codes(plan.model, plan.values, plan.blocks[layer], fix, sums[layer]), residual)
+                 for layer, (fix, residual) in sides.items()}
     runner.work.save(f"chunk-{c}-input-sides", sides)
     runner.work.drop(f"chunk-{c}-inputs")
     return sides
-
-
-def _input_codes(plan: FitPlan, layer: int, side: Fix, sums: InputEquations) -> Fix:
-    """The input side with the codes of its MatMulNBits mlp input projections chosen error-aware (GPTQ on sum u u', the
-    top-left block of the input equations' z'z over both folds); unchanged where they are float projections."""
-    found = projection.mlp_inputs(plan.model, plan.values, plan.blocks[layer])
-    if isinstance(found, str) or all(p.quant is None for p in found[1]):
-        return side
-    d = sums.zd.shape[2]
-    gram = sums.zz[:, :d, :d].sum(0)
-    codes = tuple(None if p.quant is None else p.quant.packed(p.quant.gptq(side.fold_input(p)[0], gram)) for p in found[1])
-    return dataclasses.replace(side, packed_in=codes)
 
 
 def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], kind: str, ridges,
@@ -430,7 +420,7 @@ def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], ki
                 fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in, packed_in=side.packed_in)
                 result = dataclasses.replace(result, fix=fix, input_residual=residual)
             if sums[layer].grams:
-                result = dataclasses.replace(result, fix=requantized(plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
+                result = dataclasses.replace(result, fix=requantization.output_codes(plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
         results[layer] = result
     return results
 
@@ -453,35 +443,6 @@ def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1,
     return chunks
 
 
-def quantized_outputs(model: "ir.Model | Subject") -> dict[int, tuple[ir.Node, ir.Node]]:
-    """The blocks whose W_o and W_down are both MatMulNBits -> those two nodes; no weight is read."""
-    subject = Subject.of(model)
-    values = subject.values
-    found = {}
-    for block in subject.blocks:
-        o_proj, down = (projection.quantized_node(values[v]) for v in (block.attn_out, block.mlp_out))
-        if o_proj is not None and down is not None:
-            found[block.layer] = (o_proj, down)
-    return found
-
-
-def _input_widths(model: "ir.Model | Subject", layers: Collection[int], requantize: str = "gptq") -> dict[int, tuple[int, ...]]:
-    """Per layer, K of W_o and of W_down where both are MatMulNBits and requantized error-aware (their inputs'
-    second moments are gathered in the fit pass)."""
-    if requantize != "gptq":
-        return {}
-    return {l: tuple(int(n.attributes["K"].value) for n in pair) for l, pair in quantized_outputs(model).items() if l in layers}
-
-
-def requantized(values: dict[str, ir.Value], block: BlockMap, fix: Fix, grams: dict[str, np.ndarray]) -> Fix:
-    """`fix` with the codes of W_o (I + w_a) and W_down (I + w_p) chosen error-aware (surgery.nbits) on the second
-    moments of their inputs, `grams` (INPUT_TAPS); values: the model's, by name."""
-    attn, mlp = projection.outputs(values, block, "compensate")
-    (w_o, _), (w_down, _) = fix.fold(attn, mlp)
-    packed = tuple(p.quant.packed(p.quant.gptq(w, grams[name])) for p, w, name in ((attn, w_o, "o_in"), (mlp, w_down, "down_in")))
-    return dataclasses.replace(fix, packed=packed)
-
-
 def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, memory_bytes: int = memory.MEMORY_BYTES, pool: cluster.Pool | None = None,
            requantize: str = "gptq", kind: str = "full", input_side: bool = True) -> int:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None), nothing
@@ -491,7 +452,7 @@ def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, m
     todo = [b.layer for b in subject.blocks if not b.is_parallel and (layers is None or b.layer in layers)]
     if not todo or not table:
         return 0
-    chunks = _chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies, _input_widths(subject, todo, requantize))
+    chunks = _chunks(todo, table[1], memory_bytes, (pool or cluster.Pool()).copies, requantization.input_widths(subject, todo, requantize))
     sides = _input_sided(subject, todo) if input_side and kind == "full" else set()
     return len(chunks) + sum(1 for chunk in chunks if sides.intersection(chunk))
 

@@ -29,6 +29,7 @@ from typing import Literal, get_args
 import onnx_ir as ir
 
 from surgery import cluster, compensation, evaluate, runtime
+from surgery import requantization
 from surgery.analysis.fit_graph import Form
 from surgery.analysis.probe import defect_scores
 from surgery.blocks import BlockMap
@@ -466,6 +467,6 @@ def _selection(model: ir.Model, chosen: _Chosen, stats: dict[str, list[float | N
         forward_passes=runs.passes + (again.trials.passes if again else 0),
         blocks_run=runs.blocks_run + (again.trials.blocks_run if again else 0),
         stopped=chosen.stopped,
-        requantize=requantize if set(compensation.quantized_outputs(model)) & compensated else None,
+        requantize=requantize if set(requantization.quantized_outputs(model)) & compensated else None,
         **fields,
     )
