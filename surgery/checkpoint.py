@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from surgery import output
+from surgery import __version__, output
 from surgery.errors import SurgeryError
 
 FORMAT = 1
@@ -76,7 +76,7 @@ class Checkpoints:
     @classmethod
     def open(cls, out: str | Path, fingerprint: dict[str, Any], restart: bool = False, every: float | None = None) -> "Checkpoints":
         """The work folder of the output `out` (`OUT.work`, beside it): made when missing, resumed when its fingerprint
-        matches; discarded first with `restart`.
+        (with surgery's version added) matches; discarded first with `restart`.
 
         The folder is locked while this process uses it, so two runs writing the same output never share it.
 
@@ -84,7 +84,7 @@ class Checkpoints:
             SurgeryError: it holds another run's work (named: what differs), another run is using it, or it cannot be made.
         """
         folder = work_folder(out)
-        fingerprint = json.loads(json.dumps(fingerprint))  # as the manifest reads back
+        fingerprint = json.loads(json.dumps({"surgery": __version__, **fingerprint}))  # as the manifest reads back
         existed = folder.exists()
         lock = _claim(folder) if existed else None
         if restart and existed:
@@ -115,9 +115,6 @@ class Checkpoints:
         work = cls(folder, every)
         work._lock = lock
         return work
-
-    def __bool__(self) -> bool:
-        return self.folder is not None
 
     def scope(self, name: str) -> "Checkpoints":
         """The same folder, its units under `name/` (one per step that keeps units: fit, trials, ...)."""
@@ -219,10 +216,12 @@ def digest(*parts: bytes | np.ndarray | str) -> str:
     return h.hexdigest()[:16]
 
 
-def file_digest(paths: list[Path]) -> str:
-    """A short sha256 of the files' bytes, in order (a model and its external data)."""
+def model_digest(model_path: str | Path, model) -> str:
+    """A short sha256 of a model's bytes: its .onnx file and its external data files, in order."""
+    from surgery import graph
+
     h = hashlib.sha256()
-    for path in paths:
+    for path in [graph.resolve(model_path), *graph.external_data_files(model)]:
         with open(path, "rb") as f:
             h.update(hashlib.file_digest(f, "sha256").digest())
     return h.hexdigest()[:16]

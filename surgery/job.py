@@ -10,9 +10,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import __version__, cluster, compensation, data, evaluate, graph, memory, runtime
+from surgery import cluster, compensation, data, evaluate, graph, memory, runtime
 from surgery.blocks import BlockMap
-from surgery.checkpoint import Checkpoints, digest, file_digest
+from surgery.checkpoint import Checkpoints, digest, model_digest
 from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
@@ -184,7 +184,7 @@ def _work(out, model_path, model: ir.Model, windows: dict[str, data.Windows | No
           restart: bool) -> Checkpoints:
     """The main job's work folder beside `out`, tied to the model's bytes, the windows' tokens, the options that change
     results (`results` but the fit memory; the device) and surgery's version; not to those that change only speed."""
-    fingerprint = {"surgery": __version__, "model": file_digest([graph.resolve(model_path), *graph.external_data_files(model)]),
+    fingerprint = {"model": model_digest(model_path, model),
                    **{name: digest(w.ids) for name, w in windows.items() if w is not None}, "device": runtime.providers(options.device)[0],
                    **{k: str(v) for k, v in results.items() if k != "fit_memory"}}
     return Checkpoints.open(out, fingerprint, restart=restart)

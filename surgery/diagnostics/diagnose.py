@@ -36,7 +36,7 @@ from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.sections import deficit, diversity
 from surgery.equations import fixes as fixes_of
-from surgery.checkpoint import Checkpoints, digest, file_digest, reached
+from surgery.checkpoint import Checkpoints, digest, model_digest, reached
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Ablation, Compensation
@@ -177,7 +177,7 @@ def _diagnose(
     ev = read(max_windows=eval_windows, part="evaluation") if "defect" in only or "ablation" in only else None
     work = Checkpoints.off()
     if checkpoints is not None:
-        work = Checkpoints.open(checkpoints, {"surgery": __version__, "model": file_digest([graph.resolve(model_path), *graph.external_data_files(model.model)]),
+        work = Checkpoints.open(checkpoints, {"model": model_digest(model_path, model.model),
                                               "calibration windows": digest(cal.ids), "evaluation windows": None if ev is None else digest(ev.ids),
                                               "only": sorted(only), "critical_seeds": critical_seeds, "seed": seed,
                                               "device": runtime.providers(options.device)[0]}, restart=restart)
