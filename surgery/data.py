@@ -1,4 +1,4 @@
-"""Corpora -> token windows: the embedded default corpus, a text file, or a jsonl file with a `text` field.
+"""Corpora -> token windows: a built-in corpus (corpus.py), a text file, or a jsonl file with a `text` field.
 
 The corpus is tokenized once (documents joined by a blank line) into one token stream, cut into
 segments of SEGMENT_WINDOWS windows' worth of tokens. Segments are dealt to two disjoint parts,
@@ -20,10 +20,14 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from surgery import graph
+from surgery import corpus, graph
 from surgery.errors import SurgeryError
 
-DEFAULT_CORPUS = "pydoc"  # the name --data takes for the embedded default
+BUILT_IN = {  # the names --data takes for the embedded corpora -> (documents, display name)
+    "text": (lambda: list(corpus.mixed()), "built-in text"),  # the default's text: several kinds (corpus.py)
+    "pydoc": (corpus.reference, "pydoc_data.topics"),  # the default before the mix: the language reference alone
+}
+SEEDS = {"calibration": 1, "evaluation": 2}  # of the model's samples in each part (corpus.samples)
 SEGMENT_WINDOWS = 8
 PARTS = ("evaluation", "calibration", "all")
 
@@ -91,15 +95,15 @@ def deal(windows: Windows, sizes: list[int], names: list[str]) -> list[Windows]:
 
 def default_corpus() -> str:
     """The English text of `pydoc_data.topics` (shipped with every CPython), joined in sorted key order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
+    return "\n\n".join(corpus.reference())
 
 
 def read_texts(data: str | Path | None) -> tuple[list[str], str]:
-    """Documents of a corpus and its display name: None / `pydoc` is the default, else a .txt or .jsonl file."""
-    if data is None or str(data) == DEFAULT_CORPUS:
-        return [default_corpus()], "pydoc_data.topics"
+    """Documents of a corpus and its display name: None is the default's text, `text` / `pydoc` a built-in corpus
+    (BUILT_IN), else a .txt or .jsonl file."""
+    read, name = BUILT_IN.get("text" if data is None else str(data), (None, None))
+    if read is not None:
+        return read(), name
     path = Path(data)
     if not path.is_file():
         raise SurgeryError(f"data file {path} does not exist; pass a .txt or .jsonl file, or leave --data out for the default corpus")
@@ -205,8 +209,9 @@ def windows(
 
     Args:
         model: the exported model (an .onnx file, or a folder holding one): its folder holds the tokenizer.json.
-        data: the corpus: a .txt file, a .jsonl file with a `text` field per line, or None / `pydoc`: the built-in
-            corpus (the English text of `pydoc_data.topics`).
+        data: the corpus: a .txt file, a .jsonl file with a `text` field per line, `text`: the built-in mix of several
+            kinds of English text, `pydoc`: the Python language reference alone, or None: the default, where a share
+            corpus.SAMPLED of each part's windows are the model's own samples (corpus.samples) and the rest `text`.
         seq_len: tokens per window, BOS included when the tokenizer prepends one.
         stride: tokens between the starts of consecutive windows of a segment (None: seq_len without BOS, no overlap);
             with a smaller stride windows overlap and each token is scored once.
@@ -216,7 +221,8 @@ def windows(
         tokenizer: a tokenizer.json, or a folder holding one, to use instead of the model folder's.
 
     Returns:
-        The Windows: ids [n_windows, seq_len], the first scored target of each window, and their offsets in the stream.
+        The Windows: ids [n_windows, seq_len], the first scored target of each window, and their offsets in the stream
+        (negative for the model's samples).
 
     Raises:
         SurgeryError: an unknown part, max_windows below 1, a calibration fraction outside (0, 1), no tokenizer, a corpus
@@ -256,6 +262,37 @@ def windows(
         np.concatenate([w.starts for w in chosen]),
         f"{name} ({part} part)",
     )
-    if max_windows is not None and max_windows < len(result):
-        result = result.take(spread(len(result), max_windows))
+    sampled = corpus.SAMPLED if data is None else 0.0
+    count = len(result) if max_windows is None else max_windows
+    text_count = min(count - round(count * sampled), len(result))
+    if text_count < len(result):
+        result = result.take(spread(len(result), text_count))
+    if sampled:
+        result = _with_samples(model, result, count - text_count, part, calibration, prefix)
     return result
+
+
+@functools.lru_cache(maxsize=8)
+def _samples(path: str, modified: int, rows: int, seq_len: int, prefix: tuple[int, ...], seed: int) -> np.ndarray:
+    """corpus.samples, remembered (a command asks for the same part more than once); the file's mtime in the key."""
+    ids = corpus.samples(path, rows, seq_len, list(prefix), seed)
+    ids.flags.writeable = False
+    return ids
+
+
+def _with_samples(model, text: Windows, rows: int, part: str, calibration: float, prefix: list[int]) -> Windows:
+    """The text windows and `rows` windows of the model's own samples (SEEDS[part]; `all`: both parts' in their
+    proportion), each kind spread evenly over the result. Samples score every target; their starts are negative
+    (-1 - row), as they sit in no corpus stream."""
+    path = graph.resolve(model)
+    counts = {"calibration": round(rows * calibration), "evaluation": rows - round(rows * calibration)} if part == "all" else {part: rows}
+    ids = [_samples(str(path), path.stat().st_mtime_ns, n, text.seq_len, tuple(prefix), SEEDS[p]) for p, n in counts.items() if n]
+    ids = np.concatenate(ids) if ids else np.zeros((0, text.seq_len), np.int64)
+    spots = sorted([((i + 0.5) / len(text), 0, i) for i in range(len(text))] + [((i + 0.5) / len(ids), 1, i) for i in range(len(ids))])
+    take = lambda mine, theirs: np.stack([theirs[i] if k else mine[i] for _, k, i in spots])  # noqa: E731
+    return Windows(
+        take(text.ids, ids),
+        take(text.score_from, np.zeros(len(ids), np.int64)),
+        take(text.starts, -1 - np.arange(len(ids), dtype=np.int64)),
+        text.name.replace(" (", " + the model's samples (", 1),
+    )

@@ -16,17 +16,17 @@ def test_default_corpus_is_pydoc_topics_in_sorted_order():
 
 
 def test_windows_start_with_the_tokenizers_own_bos(fixture_path):
-    w = data.windows(fixture_path("llama"), seq_len=64, max_windows=5)
+    w = data.windows(fixture_path("llama"), "text", seq_len=64, max_windows=5)
     assert w.ids.shape == (5, 64) and (w.ids[:, 0] == 0).all()  # the fixture tokenizer prepends id 0
     assert w.tokens == 5 * 63
-    every = data.windows(fixture_path("llama"), seq_len=64)
+    every = data.windows(fixture_path("llama"), "text", seq_len=64)
     assert w.starts[0] == every.starts[0] and w.starts[-1] == every.starts[-1]  # spread over the part
 
 
 def test_calibration_and_evaluation_windows_are_disjoint(fixture_path):
-    cal = data.windows(fixture_path("llama"), seq_len=32, part="calibration")
-    ev = data.windows(fixture_path("llama"), seq_len=32, part="evaluation")
-    everything = data.windows(fixture_path("llama"), seq_len=32, part="all")
+    cal = data.windows(fixture_path("llama"), "text", seq_len=32, part="calibration")
+    ev = data.windows(fixture_path("llama"), "text", seq_len=32, part="evaluation")
+    everything = data.windows(fixture_path("llama"), "text", seq_len=32, part="all")
     assert len(cal) > 0 and len(ev) > 2 * len(cal)
     body = 31  # tokens per window after BOS
     covered = lambda w: {int(s) + i for s in w.starts for i in range(body)}  # noqa: E731
@@ -34,7 +34,7 @@ def test_calibration_and_evaluation_windows_are_disjoint(fixture_path):
     assert len(cal) + len(ev) == len(everything)
     span = everything.starts.max()
     assert cal.starts.min() < span / 10 and cal.starts.max() > span * 0.9  # interleaved: both parts span the corpus
-    stream = data.token_stream(*data.read_texts(None)[:1], data.load_tokenizer(fixture_path("llama")))
+    stream = data.token_stream(*data.read_texts("text")[:1], data.load_tokenizer(fixture_path("llama")))
     for w in (cal, ev):  # each window holds the corpus tokens from its start
         for row, start in zip(w.ids[::50], w.starts[::50]):
             np.testing.assert_array_equal(row[1:], stream[start : start + body])
@@ -58,6 +58,32 @@ def test_every_token_is_scored_once(prefix, stride):
     if not prefix and (stride or body) == body:
         unscored = set(w.starts.tolist())  # windows that do not overlap: each one's first token
     assert set(scored) == set(range(end)) - unscored
+
+
+def test_the_default_is_text_and_the_models_own_samples_half_and_half(fixture_path):
+    """The default corpus: half of each part's windows the built-in text, half samples the model wrote itself,
+    spread over each other; the parts' samples differ, and each is the model's own next-token draw."""
+    from surgery import corpus, runtime
+
+    model = fixture_path("llama")
+    cal = data.windows(model, seq_len=32, max_windows=10, part="calibration")
+    ev = data.windows(model, seq_len=32, max_windows=10, part="evaluation")
+    text = data.windows(model, "text", seq_len=32, max_windows=5, part="calibration")
+    assert (cal.starts < 0).sum() == 5 and (cal.starts[::2] >= 0).all() and (cal.starts[1::2] < 0).all()
+    np.testing.assert_array_equal(cal.ids[cal.starts >= 0], text.ids)  # the text windows as `text` gives them
+    assert (cal.score_from[cal.starts < 0] == 0).all() and (cal.ids[:, 0] == 0).all()  # BOS first, every target scored
+    assert not {tuple(r) for r in cal.ids[cal.starts < 0]} & {tuple(r) for r in ev.ids[ev.starts < 0]}
+    fewer = data.windows(model, seq_len=32, max_windows=4, part="calibration")
+    np.testing.assert_array_equal(fewer.ids[fewer.starts < 0], cal.ids[cal.starts < 0][:2])  # row r does not depend on the count
+    # each sampled token is the inverse-CDF draw of the model's own next-token distribution (full recompute, float64)
+    sess, samples = runtime.session(model), cal.ids[cal.starts < 0]
+    for r in (0, 3):
+        rng = np.random.default_rng([data.SEEDS["calibration"], r])
+        for t in range(1, 32):
+            logits = sess.run(["logits"], runtime.feeds(sess, samples[r : r + 1, :t]))[0][0, -1].astype(np.float64)
+            p = np.exp(logits - logits.max())
+            assert samples[r, t] == np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right")
+    assert corpus.samples(model, 0, 32, [0], 1).shape == (0, 32)
 
 
 def test_jsonl_and_text_files(tmp_path, fixture_path):
