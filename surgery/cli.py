@@ -75,7 +75,7 @@ SOURCE, GRAPH, REWRITE, MEASURE, BUDGET, FIT = "Source", "Graph", "What to rewri
 DATA, RUNTIME, LATENCY, CLUSTER, OUTPUT = "Data", "Runtime", "Latency", "Ray cluster", "Output"
 
 # Options several commands take alike, declared once.
-Corpus = Annotated[Optional[str], typer.Option("--data", help="Corpus: a .txt or .jsonl (`text` field) file, `pydoc` (the Python reference alone); the built-in mix of several kinds of English text when unset.", rich_help_panel=DATA)]
+Corpus = Annotated[Optional[str], typer.Option("--data", help="Corpus: a .txt or .jsonl (`text` field) file, `text` (five kinds of text Python and the dependencies ship), `pydoc` (the Python reference alone); unset: half `text`, half the model's own samples.", rich_help_panel=DATA)]
 SeqLen = Annotated[int, typer.Option(help="Tokens per window.", rich_help_panel=DATA)]
 Device = Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or `cpu`.", rich_help_panel=RUNTIME)]
 Tokenizer = Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)]

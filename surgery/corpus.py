@@ -169,6 +169,7 @@ def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int) -> np.
         return np.zeros((0, seq_len), np.int64)
     rngs = [np.random.default_rng([seed, r]) for r in range(rows)]
     sess = runtime.session(model)
+    runtime.vocab_size(sess)  # a graph without logits: one line
     names = [o.name for o in sess.get_outputs()]
     cached, past = runtime.has_kv_cache(sess), None
     while ids.shape[1] < seq_len:

@@ -57,6 +57,11 @@ class Windows:
         return int(self.ids.shape[1])
 
     @property
+    def sampled(self) -> np.ndarray:
+        """[n_windows] bool: the windows that are the model's own samples (the default corpus's; negative starts)."""
+        return self.starts < 0
+
+    @property
     def tokens(self) -> int:
         """Number of scored targets (tokens) over all the windows."""
         return int(sum(self.seq_len - 1 - int(s) for s in self.score_from))

@@ -34,8 +34,12 @@ class Reference:
 
 @dataclasses.dataclass(frozen=True)
 class Perplexity:
-    """One model's token-weighted mean NLL (loss, nats) on some windows, with per-window and per-token sums (for `delta`, `divergence`)."""
-    loss: float  # token-weighted mean NLL, nats
+    """One model's token-weighted mean NLL (loss, nats) on some windows, with per-window and per-token sums (for `delta`, `divergence`).
+
+    The model's own samples among the windows (Windows.sampled, the default corpus's half) count in KL and top-1, not in
+    the loss, perplexity or dNLL: on text a model wrote itself a change's expected dNLL is its KL, not a loss on text.
+    When every window is a sample they all count."""
+    loss: float  # token-weighted mean NLL of the text windows, nats
     perplexity: float
     tokens: int
     windows: int
@@ -48,6 +52,12 @@ class Perplexity:
     window_top1: tuple[int, ...] = ()
     token_kl: tuple[float, ...] = dataclasses.field(default=(), repr=False)
     token_nll: tuple[float, ...] = dataclasses.field(default=(), repr=False)  # every scored position's NLL_t, in token_kl's order
+    window_sampled: tuple[bool, ...] = ()  # which windows are the model's own samples (none when empty)
+
+    def text(self) -> np.ndarray:
+        """Indices of the windows the loss and dNLL count: the text ones, or all when every one is a sample."""
+        sampled = np.asarray(self.window_sampled or [False] * len(self.window_nll), bool)
+        return np.flatnonzero(~sampled) if not sampled.all() else np.arange(len(sampled))
 
     def summary(self) -> dict:
         """The numbers without the per-window and per-token tuples."""
@@ -56,14 +66,18 @@ class Perplexity:
 
 def joined(parts: Sequence[Perplexity]) -> Perplexity:
     """The Perplexity of all the windows of `parts`, in order, each part scored on its own windows."""
-    sums = [s for p in parts for s in p.window_nll]
-    counts = [c for p in parts for c in p.window_tokens]
-    loss = sum(sums) / sum(counts)
     concat = lambda field: tuple(x for p in parts for x in getattr(p, field))  # noqa: E731
-    return Perplexity(
-        loss, math.exp(loss), sum(counts), sum(p.windows for p in parts), sum(p.seconds for p in parts), tuple(sums), tuple(counts),
-        concat("window_kl"), concat("window_top1"), concat("token_kl"), concat("token_nll"),
-    )
+    sampled = tuple(bool(x) for p in parts for x in (p.window_sampled or [False] * len(p.window_nll)))
+    return _scored(concat("window_nll"), concat("window_tokens"), sampled, sum(p.windows for p in parts), sum(p.seconds for p in parts),
+                   concat("window_kl"), concat("window_top1"), concat("token_kl"), concat("token_nll"))
+
+
+def _scored(sums, counts, sampled, windows, seconds, *against) -> Perplexity:
+    """The Perplexity of per-window sums: the loss of the text windows (Perplexity.text)."""
+    p = Perplexity(0.0, 1.0, sum(counts), windows, seconds, tuple(sums), tuple(counts), *against, window_sampled=tuple(bool(x) for x in sampled))
+    text = p.text()
+    loss = float(sum(sums[i] for i in text) / max(sum(counts[i] for i in text), 1))
+    return dataclasses.replace(p, loss=loss, perplexity=math.exp(loss))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +104,9 @@ def delta(base: Perplexity, other: Perplexity, *, resamples: int = 2000, seed: i
     """
     if base.window_tokens != other.window_tokens:
         raise SurgeryError("dNLL needs both models scored on the same windows")
-    diff = np.asarray(other.window_nll, np.float64) - np.asarray(base.window_nll, np.float64)
-    return Delta(*_bootstrap(diff, base.window_tokens, resamples, seed))
+    text = base.text()  # the text windows (Perplexity's docstring)
+    diff = np.asarray(other.window_nll, np.float64)[text] - np.asarray(base.window_nll, np.float64)[text]
+    return Delta(*_bootstrap(diff, tuple(np.asarray(base.window_tokens)[text]), resamples, seed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,11 +279,8 @@ class Scorer:
                 token_kl += [float(k) for k in out[KL][scored]]
             if progress:
                 progress(len(ids))
-        loss = sum(sums) / sum(counts)
-        return Perplexity(
-            loss, math.exp(loss), sum(counts), len(windows), time.perf_counter() - start, tuple(sums), tuple(counts),
-            tuple(kl_sums), tuple(agree), tuple(token_kl), tuple(token_nll),
-        )
+        return _scored(sums, counts, windows.sampled, len(windows), time.perf_counter() - start,
+                       tuple(kl_sums), tuple(agree), tuple(token_kl), tuple(token_nll))
 
 
 def perplexity(

@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
@@ -14,10 +15,10 @@ runner = CliRunner()
 
 
 def _numpy_loss(model_path, windows) -> float:
-    """NLL from the plain graph's logits, with log-softmax in float64 NumPy."""
+    """NLL from the plain graph's logits, with log-softmax in float64 NumPy, over the text windows (not the model's samples)."""
     sess = runtime.session(model_path)
     total, count = 0.0, 0
-    for row, start in zip(windows.ids, windows.score_from):
+    for row, start in zip(windows.ids[~windows.sampled], windows.score_from[~windows.sampled]):
         logits = sess.run(["logits"], runtime.feeds(sess, row[None]))[0][0].astype(np.float64)
         logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
         for t in range(start, len(row) - 1):
@@ -31,7 +32,7 @@ def _numpy_loss(model_path, windows) -> float:
 def test_perplexity_equals_numpy_on_the_logits(fixture_path, family, stride):
     w = data.windows(fixture_path(family), seq_len=48, stride=stride, max_windows=6)
     got = evaluate.perplexity(fixture_path(family), w, batch_size=4)
-    assert got.tokens == w.tokens and got.windows == 6
+    assert got.tokens == w.tokens and got.windows == 6 and w.sampled.sum() == 3
     assert got.loss == pytest.approx(_numpy_loss(fixture_path(family), w), abs=1e-5)
     assert got.perplexity == pytest.approx(np.exp(got.loss))
 
@@ -42,7 +43,7 @@ def test_perplexity_equals_the_hf_torch_model(tiny_export):
 
     tiny = tiny_export("qwen2", seed=2)
     folder = tiny.onnx
-    w = data.windows(folder, seq_len=40, max_windows=4)
+    w = data.windows(folder, "text", seq_len=40, max_windows=4)
     reference = AutoModelForCausalLM.from_pretrained(tiny.hf).eval()
     with torch.no_grad():
         logits = reference(input_ids=torch.from_numpy(w.ids)).logits.double()
@@ -79,6 +80,26 @@ def test_delta_is_a_paired_bootstrap_over_windows():
     assert 0.88 <= covered / 300 <= 0.99
 
 
+def test_the_models_own_samples_count_in_kl_not_in_the_loss(fixture_path):
+    """On the default corpus the loss and dNLL are the text windows' (NumPy on them alone), KL and top-1 all windows'."""
+    src, rng = fixture_path("llama"), np.random.default_rng(3)
+    w = data.windows(src, seq_len=32, max_windows=8)
+    other = graph.load(src)
+    weight = next(v for v in other.graph.initializers.values() if v.const_value is not None and v.const_value.numpy().ndim == 2)
+    weight.const_value = ir.tensor(weight.const_value.numpy() + rng.normal(0, 0.05, weight.const_value.shape).astype(np.float32))
+    base, changed = evaluate.compare([src, other], w)
+    text = ~w.sampled
+    assert text.sum() == 4 and base.text().tolist() == np.flatnonzero(text).tolist()
+    assert base.loss == pytest.approx(_numpy_loss(src, w), abs=1e-5)
+    nll = lambda p: np.asarray(p.window_nll)[text].sum() / np.asarray(p.window_tokens)[text].sum()  # noqa: E731
+    assert evaluate.delta(base, changed).dnll == pytest.approx(nll(changed) - nll(base), abs=1e-12)
+    assert evaluate.divergence(changed).kl == pytest.approx(sum(changed.window_kl) / sum(changed.window_tokens), abs=1e-12)
+    both = evaluate.joined([evaluate.compare([src, other], w.take(range(k, k + 4)))[1] for k in (0, 4)])
+    assert both.window_sampled == changed.window_sampled and both.loss == pytest.approx(changed.loss, abs=1e-6)
+    samples_only = evaluate.perplexity(src, w.take(np.flatnonzero(w.sampled)))
+    assert samples_only.loss == pytest.approx(sum(samples_only.window_nll) / samples_only.tokens)  # all samples: they count
+
+
 def test_decode_with_the_kv_cache_continues_the_prefill(fixture_path):
     """The decode run that latency() times sees a cache of seq_len and predicts what a full pass predicts."""
     sess = runtime.session(fixture_path("llama"))
@@ -104,7 +125,7 @@ def test_evaluate_command_compares_with_the_first_model(tmp_path, fixture_path):
     src = fixture_path("llama")
     ablated = tmp_path / "ablated"
     graph.write(ablate(graph.load(src), "mlp", "remove", {0, 1, 2}).model, ablated, like=src)
-    args = ["evaluate", str(src), str(ablated), "--seq-len", "32", "--max-windows", "3", "--repeats", "2", "--warmup", "1", "--json"]
+    args = ["evaluate", str(src), str(ablated), "--seq-len", "32", "--max-windows", "6", "--repeats", "2", "--warmup", "1", "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     import json
@@ -118,7 +139,7 @@ def test_evaluate_command_compares_with_the_first_model(tmp_path, fixture_path):
     low, high = second["dnll_interval"]
     assert low <= second["dnll"] <= high and low < high
     assert first["kl"] is None and 0 < second["kl_interval"][0] <= second["kl"] <= second["kl_interval"][1]
-    windows = data.windows(src, seq_len=32, max_windows=3)
+    windows = data.windows(src, seq_len=32, max_windows=6)
     assert second["kl"] == pytest.approx(evaluate.divergence(evaluate.compare([src, ablated], windows)[1]).kl)
     assert 0 <= second["top1_agreement"] < 1
     shown = runner.invoke(app, args[:-1] + ["--no-latency"])
