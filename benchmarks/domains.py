@@ -40,7 +40,8 @@ def fortunes() -> str:
 
 
 def dictionary(name: str, every: int) -> str:
-    text = gzip.open(DICTD / f"{name}.dict.dz", "rt", encoding="utf-8", errors="replace").read()
+    with gzip.open(DICTD / f"{name}.dict.dz", "rt", encoding="utf-8", errors="replace") as f:
+        text = f.read()
     entries = [e for e in re.split(r"\n\s*\n", text) if len(e) > 40][10::every]  # past the database's own header
     return "\n\n".join(re.sub(r"[ \t]+", " ", e).strip() for e in entries)
 

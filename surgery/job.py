@@ -62,7 +62,7 @@ class Outcome:
     prefill_ratio: float | None  # original / rewritten, one interleaved run
     decode_ratio: float | None
     latency: dict | None
-    windows: dict  # fit / selection / evaluation: count and tokens
+    windows: dict  # fit / selection / evaluation: count, tokens, and how many windows are the model's own samples
     estimate_placement: str | None = None  # where the estimate's kernels were profiled: the latency's device
     resumed: dict[str, int] = dataclasses.field(default_factory=dict)  # finished units read back from the work folder, by step
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of the steps after the selection: evaluation
@@ -152,7 +152,7 @@ def auto(
         times = evaluate.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
         estimate = times.estimated_speedup(selection.layers)
         prefill, decode, timing = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell) if measure_latency else (None,) * 3
-        described = {name: {"count": len(w), "tokens": w.tokens} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
+        described = {name: {"count": len(w), "tokens": w.tokens, "sampled": int(w.sampled.sum())} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
         outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
                           prefill, decode, timing, described, str(times.placement), work.resumed(), seconds, work.cost)
         written = _write(outcome, rewritten, out, model_path)

@@ -495,5 +495,5 @@ def _unchanged(job, blocks, fixes: dict) -> bool:
 
 
 def _describe(w: data.Windows) -> dict:
-    return {"corpus": w.name, "count": len(w), "seq_len": w.seq_len, "tokens": w.tokens}
+    return {"corpus": w.name, "count": len(w), "seq_len": w.seq_len, "tokens": w.tokens, "sampled": int(w.sampled.sum())}
 
