@@ -35,7 +35,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from common import ROOT, smollm2, table
 
-from surgery import evaluate, graph, runtime
+from surgery import graph, runtime, timing
 from surgery.blocks import find_blocks
 from surgery.job import fit_fixes, rewrite
 from surgery.layers import format_layers, parse_layers
@@ -240,7 +240,7 @@ def main() -> None:
             timed = {}
             for batch in batches:
                 start = time.perf_counter()
-                timed[batch] = evaluate.latency(list(sessions.values()), batch=batch, seq_len=args.seq_len, repeats=args.repeats,
+                timed[batch] = timing.latency(list(sessions.values()), batch=batch, seq_len=args.seq_len, repeats=args.repeats,
                                                 warmup=args.warmup, bind=True)
                 log(f"{label}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
             for i, g in enumerate(graphs):

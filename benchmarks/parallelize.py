@@ -17,7 +17,7 @@ import time
 
 from common import smollm2, table
 
-from surgery import data, evaluate, graph, runtime
+from surgery import data, evaluate, graph, runtime, timing
 from surgery.job import rewrite
 from surgery.layers import format_layers
 from surgery.select import Budget, select_layers
@@ -62,9 +62,9 @@ def main() -> None:
         variants["compensated all"] = (rewrite(model, every, fixes={l: f.fix for l, f in fits.items() if f.fix}).model, None, tuple(every))
 
     base = evaluate.perplexity(model, ev, options=options)
-    times = evaluate.branch_times(model, seq_len=args.seq_len)
+    times = timing.branch_times(model, seq_len=args.seq_len)
     start = time.perf_counter()
-    timed = evaluate.latency([m for m, _, _ in variants.values()], seq_len=args.seq_len, repeats=args.repeats, options=options)
+    timed = timing.latency([m for m, _, _ in variants.values()], seq_len=args.seq_len, repeats=args.repeats, options=options)
     latency_s = time.perf_counter() - start
     rows = []
     for (name, (m, s, layers)), t in zip(variants.items(), timed):

@@ -55,7 +55,7 @@ _API = {
     "compare": "surgery.evaluate:compare",
     "divergence": "surgery.evaluate:divergence",
     "delta": "surgery.evaluate:delta",
-    "latency": "surgery.evaluate:latency",
+    "latency": "surgery.timing:latency",
     "Perplexity": "surgery.evaluate:Perplexity",
     "Divergence": "surgery.evaluate:Divergence",
     "Delta": "surgery.evaluate:Delta",

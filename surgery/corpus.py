@@ -160,7 +160,8 @@ def mixed() -> tuple[str, ...]:
 
 def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int) -> np.ndarray:
     """`rows` windows of seq_len ids the model writes itself: `prefix` (BOS), then tokens sampled at temperature 1,
-    one step at a time with its KV cache (the whole window again each step for a graph without one). Row r draws
+    one step at a time with its KV cache (the whole window again each step for a graph without one, or whose cached
+    step ONNX Runtime cannot run here, as the GenAI builder's fp16 graphs on the CPU). Row r draws
     from numpy's generator seeded (seed, r): a row's tokens do not depend on how many rows are asked for."""
     from surgery import runtime
 
@@ -172,9 +173,17 @@ def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int) -> np.
     runtime.vocab_size(sess)  # a graph without logits: one line
     names = [o.name for o in sess.get_outputs()]
     cached, past = runtime.has_kv_cache(sess), None
+    quiet = runtime.ort.RunOptions()
+    quiet.log_severity_level = 4  # a failing cached step is handled below, not logged
     while ids.shape[1] < seq_len:
-        step = ids[:, -1:] if cached and past is not None else ids
-        outputs = sess.run(None, runtime.feeds(sess, step, past if cached else None))
+        try:
+            step = ids[:, -1:] if cached and past is not None else ids
+            outputs = sess.run(None, runtime.feeds(sess, step, past if cached else None), quiet)
+        except runtime.ort.capi.onnxruntime_pybind11_state.Fail:  # a cached step ORT cannot run here (GenAI fp16 on CPU)
+            if not (cached and past is not None):
+                raise
+            cached, past = False, None
+            outputs = sess.run(None, runtime.feeds(sess, ids))
         logits = np.asarray(outputs[names.index("logits")][:, -1, :], np.float64)
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)

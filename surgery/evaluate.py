@@ -1,10 +1,9 @@
-"""perplexity() and latency() of ONNX graphs on ONNX Runtime -> dataclasses. Never prints."""
+"""perplexity(), KL and dNLL of ONNX graphs on ONNX Runtime -> dataclasses (latency: timing.py). Never prints."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,10 +12,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import config, graph, quality, runtime
+from surgery import graph, quality, runtime
 from surgery.data import Windows
 from surgery.errors import SurgeryError
 from surgery.report import with_interval
+from surgery.timing import Latency, check_seq_len, latency
 
 TARGETS, NLL = "surgery_targets", "surgery_nll"
 LOGPROBS, TOP1 = "surgery_logprobs", "surgery_top1"  # every scoring graph's next-token distribution and its argmax
@@ -153,21 +153,6 @@ def _bootstrap(sums: np.ndarray, tokens: Sequence[int], resamples: int, seed: in
     picks = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
     low, high = np.percentile(sums[picks].sum(1) / tokens[picks].sum(1), [2.5, 97.5])
     return point, float(low), float(high)
-
-
-@dataclasses.dataclass(frozen=True)
-class Latency:
-    """Median and p90 wall times of one graph, from runs interleaved with the other graphs compared."""
-
-    prefill_ms: float  # one forward pass of batch x seq_len tokens, empty KV cache
-    prefill_p90_ms: float
-    decode_ms: float | None  # one new token per sequence after a KV cache of seq_len; None without a cache
-    decode_p90_ms: float | None
-    batch: int
-    seq_len: int
-    repeats: int
-    provider: str  # the session's first provider
-    placement: runtime.Placement | None = None  # where ORT ran its nodes; None for a session handed over without a profile
 
 
 def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False) -> ir.Model:
@@ -370,143 +355,3 @@ def rows(models: Sequence, names: Sequence[str], scores: Sequence[Perplexity], t
             row["decode_ratio"] = t0.decode_ms / t.decode_ms if t.decode_ms and t0.decode_ms else None
         out.append(row)
     return out
-
-
-def latency(
-    models: Sequence[ir.Model | str | Path | runtime.Session],
-    *,
-    batch: int = 1,
-    seq_len: int = 256,
-    repeats: int = 20,
-    warmup: int = 3,
-    options: runtime.Options = runtime.Options(),
-    seed: int = 0,
-    bind: bool | None = None,
-    progress: Progress | None = None,
-) -> list[Latency]:
-    """Prefill and decode wall times of each model, with the repeats of all models interleaved.
-
-    Each repeat runs every model's prefill, then every model's decode, starting from a different model each time, so drift on the machine falls on all graphs
-    alike. Same session options for all (sessions given ready-made are used as they are). bind: IO binding, as runtime.Prepared (None: on CUDA); the decode's
-    past is then the prefill's present, left on the device. The warm-up (at least one run) is profiled, for each session's placement; the timed runs are not. A
-    session given ready-made has its placement read when it was made with Options.profile and not yet ended.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        sessions = [
-            m if isinstance(m, runtime.Session) else runtime.session(m, dataclasses.replace(options, profile=str(Path(tmp) / f"{i}")))
-            for i, m in enumerate(models)
-        ]
-        prefill, decode, placements = _warm(sessions, batch, seq_len, max(warmup, 1), seed, bind)
-    times = {kind: [[] for _ in sessions] for kind in ("prefill", "decode")}
-    n = len(sessions)
-    for r in range(repeats):
-        order = [(r + i) % n for i in range(n)]
-        for kind, runs in (("prefill", prefill), ("decode", decode)):
-            for i in order:
-                if runs[i] is None:
-                    continue
-                start = time.perf_counter()
-                runs[i]()
-                times[kind][i].append((time.perf_counter() - start) * 1000)
-        if progress:
-            progress(1)
-    results = []
-    for i, sess in enumerate(sessions):
-        p, d = times["prefill"][i], times["decode"][i]
-        results.append(
-            Latency(
-                prefill_ms=float(np.median(p)),
-                prefill_p90_ms=float(np.percentile(p, 90)),
-                decode_ms=float(np.median(d)) if d else None,
-                decode_p90_ms=float(np.percentile(d, 90)) if d else None,
-                batch=batch,
-                seq_len=seq_len,
-                repeats=repeats,
-                provider=sess.get_providers()[0],
-                placement=placements[i],
-            )
-        )
-    return results
-
-
-def _warm(sessions, batch: int, seq_len: int, warmup: int, seed: int, bind: bool | None):
-    """Each session's prefill and decode runs (decode None without a KV cache), run `warmup` times each,
-    and each session's placement from the profile of those runs."""
-    rng = np.random.default_rng(seed)
-    vocab = runtime.vocab_size(sessions[0])
-    ids = rng.integers(0, vocab, size=(batch, seq_len))
-    next_ids = rng.integers(0, vocab, size=(batch, 1))
-    prefill, decode = [], []
-    for sess in sessions:
-        prefill.append(runtime.Prepared(sess, runtime.feeds(sess, ids), bind))
-        if runtime.has_kv_cache(sess):
-            prefill[-1]()
-            decode.append(runtime.Prepared(sess, runtime.decode_inputs(prefill[-1], next_ids), bind))
-        else:
-            decode.append(None)
-    for run in prefill + [d for d in decode if d is not None]:
-        for _ in range(warmup):
-            run()
-    return prefill, decode, [runtime.placement(sess) for sess in sessions]
-
-
-@dataclasses.dataclass(frozen=True)
-class BranchTimes:
-    """Per-block kernel time of the attention and mlp branches (ln included) in one prefill, ms."""
-
-    attn_ms: tuple[float, ...]
-    mlp_ms: tuple[float, ...]
-    total_ms: float  # every kernel of the graph
-    placement: runtime.Placement | None = None  # where the profiled session ran: the device of these times
-
-    def estimated_speedup(self, layers) -> float:
-        """The paper's estimate: a parallel block costs max(t_attn, t_mlp) instead of their sum."""
-        saved = sum(min(self.attn_ms[l], self.mlp_ms[l]) for l in layers)
-        return self.total_ms / (self.total_ms - saved)
-
-
-def branch_times(
-    model, *, batch: int = 1, seq_len: int = 256, runs: int = 5, seed: int = 0, options: runtime.Options = runtime.Options()
-) -> BranchTimes:
-    """Profile prefill with ONNX Runtime's profiler (basic optimisations keep node names) and add each node's kernel time to its block's branch. Nodes that
-    several blocks share (mask, rotary) count only in the total. The session has `options` but for those two, so the times are on the device that latency() with
-    the same options measures (CUDA when usable, for auto). On CUDA a node's time is what ORT's profiler records, the host side of its kernel (launch, and any
-    wait on the device): ORT's pip build has no CUPTI for device times."""
-    from surgery.blocks import branch_nodes
-    from surgery.subject import Subject
-
-    subject = Subject.of(model)
-    model, blocks = subject.model, subject.blocks
-    owner: dict[str, tuple[int, str] | None] = {}
-    for block in blocks:
-        for branch in ("attn", "mlp"):
-            for node in branch_nodes(model, block, branch, subject.values):
-                owner[node.name] = (block.layer, branch) if node.name not in owner else None
-    with tempfile.TemporaryDirectory() as tmp:
-        sess = runtime.session(model, dataclasses.replace(options, optimization="basic", profile=str(Path(tmp) / "profile")))
-        ids = np.random.default_rng(seed).integers(0, runtime.vocab_size(sess), size=(batch, seq_len))
-        inputs = runtime.feeds(sess, ids)
-        for _ in range(runs):
-            sess.run(None, inputs)
-        events = runtime.profile_events(sess)
-    attn, mlp, total = np.zeros(len(blocks)), np.zeros(len(blocks)), 0.0
-    for event in events:
-        if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
-            continue
-        ms = event["dur"] / 1000 / runs
-        total += ms
-        where = owner.get(event["name"][: -len("_kernel_time")])
-        if where is not None:
-            (attn if where[1] == "attn" else mlp)[where[0]] += ms
-    return BranchTimes(tuple(attn.tolist()), tuple(mlp.tolist()), total, runtime.placement_of(events, sess.get_providers()[0]))
-
-
-def check_seq_len(model: str | Path, seq_len: int, decode: bool = True) -> None:
-    """Refuse a window longer than the model's position limit (decode needs seq_len + 1 positions)."""
-    limit = config.position_limit(graph.resolve(model).parent)
-    needed = seq_len + 1 if decode else seq_len
-    if limit is not None and needed > limit:
-        raise SurgeryError(
-            f"--seq-len {seq_len} is beyond the model's position limit {limit} (config.json or genai_config.json"
-            f"{'; decode needs seq-len + 1' if decode else ''}); choose --seq-len {limit - 1 if decode else limit} or less"
-        )

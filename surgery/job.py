@@ -10,7 +10,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from surgery import cluster, compensation, data, evaluate, graph, memory, runtime
+from surgery import cluster, compensation, data, evaluate, graph, memory, runtime, timing
 from surgery.blocks import BlockMap
 from surgery.checkpoint import Checkpoints, digest, model_digest
 from surgery.errors import SurgeryError
@@ -149,12 +149,12 @@ def auto(
             selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, options=options, progress=tell, pool=pool, work=work, **greedy)
         rewritten = rewrite(subject, selection.layers, fused=fused, fixes=selection.fixes).model
         base, after, seconds = _evaluation(model, rewritten, ev, options, tell, work)
-        times = evaluate.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
+        times = timing.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
         estimate = times.estimated_speedup(selection.layers)
-        prefill, decode, timing = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell) if measure_latency else (None,) * 3
+        prefill, decode, timed = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell) if measure_latency else (None,) * 3
         described = {name: {"count": len(w), "tokens": w.tokens, "sampled": int(w.sampled.sum())} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
         outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
-                          prefill, decode, timing, described, str(times.placement), work.resumed(), seconds, work.cost)
+                          prefill, decode, timed, described, str(times.placement), work.resumed(), seconds, work.cost)
         written = _write(outcome, rewritten, out, model_path)
         work.finish()
     return outcome, written
@@ -201,7 +201,7 @@ def _latency(model: ir.Model, rewritten: ir.Model, *, seq_len: int, repeats: int
              tell: Progress) -> tuple[float, float | None, dict]:
     """Prefill and decode speed-ups (original / rewritten; decode None when either has no decode time) from one
     interleaved run of both, and the run's timings."""
-    timed = evaluate.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
+    timed = timing.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
                              progress=evaluate.counter(tell, "latency (interleaved)", repeats))
     prefill = timed[0].prefill_ms / timed[1].prefill_ms
     decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None

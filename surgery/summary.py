@@ -37,7 +37,7 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
                                f"{r['dnll_after']['dnll']:+.4f} on the selection windows: {'kept' if r['kept'] else 'not kept'}"))
     lines += [
         ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
-                       f"({outcome.eval_tokens} held-out tokens{_samples(w['evaluation'])}, base loss {outcome.base_loss_eval:.4f}; 95 % intervals, nats)"),
+                       f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}{_samples(w['evaluation'])}; 95 % intervals, nats)"),
         *([("llama.cpp", (f"Same top p {pm(lc, 'Same top p')}, 99.9% KLD {lc['99.9% KLD']:.4f}, RMS Δp {pm(lc, 'RMS Δp')} "
                           "(evaluation windows; selection.json has all of `perplexity --kl-divergence`'s)"))] if (lc := outcome.divergence_eval.to_json().get("llama_cpp")) else []),
         ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times"

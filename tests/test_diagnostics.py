@@ -82,13 +82,13 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tiny_export):
 
 def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     path = fixture_path("llama")
-    report = diagnose(path, seq_len=32, windows=2, eval_windows=3, only=("defect", "ablation"))
+    report = diagnose(path, seq_len=32, windows=2, eval_windows=4, only=("defect", "ablation"))  # 2 text, 2 sampled
     model = graph.load(path)
     # the compensated single-layer runs: each block with the fix fitted on the calibration windows, alone
     fits = compensation.fit(model, data.windows(path, seq_len=32, max_windows=2, part="calibration"))
     assert report.defect["c_comp"] == pytest.approx([fits[layer].c_comp for layer in range(3)], rel=1e-6)
     assert report.defect["c_comp_note"] == {}
-    windows = data.windows(path, seq_len=32, max_windows=3, part="evaluation")
+    windows = data.windows(path, seq_len=32, max_windows=4, part="evaluation")
     base = evaluate.perplexity(model, windows).loss
     assert report.ablation["base_loss"] == report.defect["base_loss"] == pytest.approx(base, abs=1e-6)
     def kl(rewritten):  # mean token KL and top-1 agreement of a written graph vs the original, scored on its own

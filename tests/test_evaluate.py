@@ -6,7 +6,7 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import data, evaluate, graph, runtime
+from surgery import data, evaluate, graph, runtime, timing
 from surgery.cli import app
 from surgery.errors import SurgeryError
 from surgery.passes import ablate
@@ -115,7 +115,7 @@ def test_decode_with_the_kv_cache_continues_the_prefill(fixture_path):
 
 
 def test_latency_reports_every_graph(fixture_path):
-    results = evaluate.latency([fixture_path("llama"), fixture_path("gpt2")], seq_len=32, repeats=3, warmup=1)
+    results = timing.latency([fixture_path("llama"), fixture_path("gpt2")], seq_len=32, repeats=3, warmup=1)
     assert [r.repeats for r in results] == [3, 3]
     assert all(r.decode_ms is not None and r.prefill_p90_ms >= r.prefill_ms for r in results)
     assert {r.provider for r in results} == {"CPUExecutionProvider"}
@@ -184,7 +184,7 @@ def test_cpu_machine_prints_no_cuda_errors(fixture_path):
 def test_graph_without_kv_cache_gets_prefill_only(tiny_export):
     pytest.importorskip("torch")
     folder = tiny_export("llama", past=False, seed=0).onnx
-    (result,) = evaluate.latency([folder], seq_len=16, repeats=2, warmup=1)
+    (result,) = timing.latency([folder], seq_len=16, repeats=2, warmup=1)
     assert result.decode_ms is None and result.decode_p90_ms is None and result.prefill_ms > 0
     shown = runner.invoke(app, ["evaluate", str(folder), "--seq-len", "16", "--max-windows", "2", "--repeats", "2", "--json"])
     assert shown.exit_code == 0, shown.output

@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import evaluate, graph, runtime
+from surgery import evaluate, graph, runtime, timing
 from tests.conftest import ROOT
 
 
@@ -167,7 +167,7 @@ def test_a_real_cpu_profile_counts_the_nodes_of_the_graph_ort_optimized(tmp_path
 def test_latency_reads_each_sessions_placement_from_its_warm_up(fixture_path, tmp_path):
     handed = runtime.session(fixture_path("gpt2"), runtime.Options(device="cpu"))  # made without a profile
     profiled = runtime.session(fixture_path("gpt2"), runtime.Options(device="cpu", profile=str(tmp_path / "p")))
-    made, plain, given = evaluate.latency([fixture_path("llama"), handed, profiled], seq_len=16, repeats=2, warmup=0)
+    made, plain, given = timing.latency([fixture_path("llama"), handed, profiled], seq_len=16, repeats=2, warmup=0)
     assert made.placement.provider == runtime.CPU and made.placement.nodes > 100 and str(made.placement) == "CPU"
     assert plain.placement is None and given.placement.nodes > 100
     assert runtime.placement(profiled) is None  # latency ended its profile before the timed runs
@@ -182,7 +182,7 @@ def _score():
 
 def _cuda_latency():
     placed = runtime.Placement(runtime.CUDA, 120, (("GroupQueryAttention", 4), ("Shape", 2)))
-    return evaluate.Latency(2.0, 2.5, 0.5, 0.6, 1, 16, 2, runtime.CUDA, placed)
+    return timing.Latency(2.0, 2.5, 0.5, 0.6, 1, 16, 2, runtime.CUDA, placed)
 
 
 def test_evaluate_shows_a_cuda_session_with_the_ops_it_left_on_the_cpu(monkeypatch, fixture_path):
@@ -218,11 +218,11 @@ def cuda_asked(monkeypatch):
 
 def test_the_speedup_estimate_is_profiled_where_the_latency_runs(cuda_asked, fixture_path):
     model = graph.load(fixture_path("llama"))
-    times = evaluate.branch_times(model, seq_len=16, runs=1)
-    evaluate.latency([model], seq_len=16, repeats=1, warmup=1)
+    times = timing.branch_times(model, seq_len=16, runs=1)
+    timing.latency([model], seq_len=16, repeats=1, warmup=1)
     assert cuda_asked == [(runtime.CUDA, runtime.CPU)] * 2
     assert times.placement.provider == runtime.CPU and times.placement.nodes > 100  # the session that really ran
-    evaluate.branch_times(model, seq_len=16, runs=1, options=runtime.Options(device="cpu"))
+    timing.branch_times(model, seq_len=16, runs=1, options=runtime.Options(device="cpu"))
     assert cuda_asked[-1] == (runtime.CPU,)
 
 
@@ -230,9 +230,9 @@ def test_the_main_job_profiles_its_estimate_with_the_latencys_options(monkeypatc
     from surgery import job
 
     seen = {}
-    real = evaluate.branch_times
-    monkeypatch.setattr(evaluate, "branch_times", lambda model, **kw: seen.setdefault("estimate", kw["options"]) and real(model, **kw))
-    monkeypatch.setattr(evaluate, "latency", lambda models, **kw: seen.setdefault("latency", kw["options"]) and [_cuda_latency()] * 2)
+    real = timing.branch_times
+    monkeypatch.setattr(timing, "branch_times", lambda model, **kw: seen.setdefault("estimate", kw["options"]) and real(model, **kw))
+    monkeypatch.setattr(timing, "latency", lambda models, **kw: seen.setdefault("latency", kw["options"]) and [_cuda_latency()] * 2)
     options = runtime.Options(device="cpu", threads=1)
     outcome, _ = job.auto(fixture_path("llama"), tmp_path / "out", seq_len=16, windows=2, eval_windows=1, fit=None, repeats=1, options=options)
     assert seen == {"estimate": options, "latency": options}

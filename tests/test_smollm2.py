@@ -74,11 +74,11 @@ def test_passes_match_the_hooked_torch_model(smollm2, reference):
 
 
 def test_loss_equals_the_torch_model(smollm2, reference):
-    """ORT loss on default-corpus windows equals the HF torch model's loss on the same windows to 1e-3 nats."""
+    """ORT loss on built-in text windows equals the HF torch model's loss on the same windows to 1e-3 nats."""
 
     from surgery import data, evaluate
 
-    windows = data.windows(smollm2, seq_len=256, max_windows=4)
+    windows = data.windows(smollm2, "text", seq_len=256, max_windows=4)
     got = evaluate.perplexity(smollm2, windows, batch_size=2)
     with torch.no_grad():
         logits = reference(input_ids=torch.from_numpy(windows.ids)).logits.double()
@@ -88,17 +88,17 @@ def test_loss_equals_the_torch_model(smollm2, reference):
     assert abs(got.loss - float(expected)) < 1e-3
 
 
-def test_auto_parallel_with_defaults_keeps_ten_blocks_within_the_kl_budget_and_fuses_exactly(smollm2, tmp_path):
-    """The main job with defaults: >= 10 of 30 compensated blocks within both limits on the selection windows, and
-    within KL 0.05 on the held-out windows. Held out, dNLL is only held to its interval: on 2040 tokens that is
-    about +-0.016, as wide as the limit (+0.0286 on these 8 windows when this was written, +0.0123 [+0.0092, +0.0154]
-    on all 336 of the evaluation part: `surgery evaluate ... --max-windows all`)."""
+def test_auto_parallel_with_defaults_keeps_eight_blocks_within_the_kl_budget_and_fuses_exactly(smollm2, tmp_path):
+    """The main job with defaults: >= 8 of 30 compensated blocks within both limits on the selection windows, and
+    within KL 0.05 on the held-out windows (8 on the built-in corpus of text and the model's own samples, 2026-12-05;
+    12 on the Python reference alone before, whose budget did not hold on other text). Held out, dNLL is only held to
+    its interval: on 4080 text tokens that is about +-0.01, half the limit."""
     from surgery import data
     from surgery.job import auto, rewrite
 
     outcome, written = auto(smollm2, tmp_path / "auto", measure_latency=False)
     sel = outcome.selection
-    assert len(sel.layers) >= 10 and outcome.divergence_eval.kl <= 0.05 and outcome.dnll_eval.low <= 0.02
+    assert len(sel.layers) >= 8 and outcome.divergence_eval.kl <= 0.05 and outcome.dnll_eval.low <= 0.02
     assert sel.dnll.dnll <= 0.02 and sel.divergence.kl <= 0.05
     assert outcome.dnll_eval.low <= outcome.dnll_eval.dnll <= outcome.dnll_eval.high
     assert outcome.divergence_eval.low <= outcome.divergence_eval.kl <= outcome.divergence_eval.high
