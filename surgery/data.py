@@ -216,7 +216,8 @@ def windows(
         model: the exported model (an .onnx file, or a folder holding one): its folder holds the tokenizer.json.
         data: the corpus: a .txt file, a .jsonl file with a `text` field per line, `text`: the built-in mix of several
             kinds of English text, `pydoc`: the Python language reference alone, or None: the default, where a share
-            corpus.SAMPLED of each part's windows are the model's own samples (corpus.samples) and the rest `text`.
+            corpus.SAMPLED of each part's max_windows are the model's own samples (corpus.samples) and the rest `text`
+            (without max_windows: every window of `text`, no samples).
         seq_len: tokens per window, BOS included when the tokenizer prepends one.
         stride: tokens between the starts of consecutive windows of a segment (None: seq_len without BOS, no overlap);
             with a smaller stride windows overlap and each token is scored once.
@@ -267,7 +268,7 @@ def windows(
         np.concatenate([w.starts for w in chosen]),
         f"{name} ({part} part)",
     )
-    sampled = corpus.SAMPLED if data is None else 0.0
+    sampled = corpus.SAMPLED if data is None and max_windows is not None else 0.0  # all windows: every text one, no samples
     count = len(result) if max_windows is None else max_windows
     text_count = min(count - round(count * sampled), len(result))
     if text_count < len(result):

@@ -62,7 +62,8 @@ def test_every_token_is_scored_once(prefix, stride):
 
 def test_the_default_is_text_and_the_models_own_samples_half_and_half(fixture_path):
     """The default corpus: half of each part's windows the built-in text, half samples the model wrote itself,
-    spread over each other; the parts' samples differ, and each is the model's own next-token draw."""
+    spread over each other; the parts' samples differ, and each is the model's own next-token draw. Asked for every
+    window, it is every text window."""
     from surgery import corpus, runtime
 
     model = fixture_path("llama")
@@ -84,6 +85,8 @@ def test_the_default_is_text_and_the_models_own_samples_half_and_half(fixture_pa
             p = np.exp(logits - logits.max())
             assert samples[r, t] == np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right")
     assert corpus.samples(model, 0, 32, [0], 1).shape == (0, 32)
+    every = data.windows(model, seq_len=32, part="evaluation")  # no count: every text window, no samples
+    np.testing.assert_array_equal(every.ids, data.windows(model, "text", seq_len=32, part="evaluation").ids)
 
 
 def test_jsonl_and_text_files(tmp_path, fixture_path):
