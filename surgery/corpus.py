@@ -8,7 +8,7 @@ distribution it was trained on (self-calibration, Williams et al. 2025, found su
 and pruning as well as real text). Beside them the default corpus mixes what Python and surgery's dependencies ship:
 
     reference   the Python language reference (`pydoc_data.topics`, in every CPython)
-    library     the standard library's own documentation (module, class and function docstrings of KINDS' modules)
+    library     the standard library's own documentation (module, class and function docstrings of LIBRARY's modules)
     science     NumPy's documentation of its numerical, statistical and linear-algebra routines (prose sections)
     legal       the licenses Python and the dependencies ship (distinct paragraphs)
     readme      the dependencies' project descriptions (their README, from the installed metadata)
@@ -49,7 +49,7 @@ SCIENCE = ("numpy/lib/_function_base_impl", "numpy/lib/_histograms_impl", "numpy
            "numpy/linalg/_linalg", "numpy/fft/_pocketfft", "numpy/fft/__init__", "numpy/polynomial/polynomial",
            "numpy/polynomial/chebyshev", "numpy/polynomial/legendre", "numpy/polynomial/hermite", "numpy/polynomial/laguerre",
            "numpy/polynomial/_polybase", "numpy/_core/fromnumeric", "numpy/_core/numeric", "numpy/_core/_add_newdocs",
-           "numpy/random/__init__", "numpy/lib/_financial_impl", "numpy/ma/core", "numpy/lib/_arraysetops_impl")
+           "numpy/random/__init__", "numpy/ma/core", "numpy/lib/_arraysetops_impl")  # NumPy 2 paths; missing ones are skipped
 CODE_SECTIONS = re.compile(r"\n\s*(Examples|See Also|Parameters|Returns|Raises|Yields|Attributes|Other Parameters)\n\s*-{3,}\n")
 
 
