@@ -50,8 +50,7 @@ from collections.abc import Callable, Collection, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from surgery import checkpoint, cluster, memory, runtime
-from surgery import requantization
+from surgery import checkpoint, cluster, memory, requantization, runtime
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, Stage, fit_graph, fit_tap, switched
 from surgery.blocks import BlockMap

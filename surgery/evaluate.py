@@ -54,10 +54,13 @@ class Perplexity:
     token_nll: tuple[float, ...] = dataclasses.field(default=(), repr=False)  # every scored position's NLL_t, in token_kl's order
     window_sampled: tuple[bool, ...] = ()  # which windows are the model's own samples (none when empty)
 
+    def sampled(self) -> tuple[bool, ...]:
+        """Per window, whether it is one of the model's own samples (all False when none was recorded)."""
+        return self.window_sampled or (False,) * len(self.window_nll)
+
     def text(self) -> np.ndarray:
-        """Indices of the windows the loss and dNLL count: the text ones, or all when every one is a sample."""
-        sampled = np.asarray(self.window_sampled or [False] * len(self.window_nll), bool)
-        return np.flatnonzero(~sampled) if not sampled.all() else np.arange(len(sampled))
+        """Indices of the windows the loss and dNLL count (_text)."""
+        return _text(self.sampled())
 
     def summary(self) -> dict:
         """The numbers without the per-window and per-token tuples."""
@@ -67,17 +70,23 @@ class Perplexity:
 def joined(parts: Sequence[Perplexity]) -> Perplexity:
     """The Perplexity of all the windows of `parts`, in order, each part scored on its own windows."""
     concat = lambda field: tuple(x for p in parts for x in getattr(p, field))  # noqa: E731
-    sampled = tuple(bool(x) for p in parts for x in (p.window_sampled or [False] * len(p.window_nll)))
+    sampled = tuple(x for p in parts for x in p.sampled())
     return _scored(concat("window_nll"), concat("window_tokens"), sampled, sum(p.windows for p in parts), sum(p.seconds for p in parts),
                    concat("window_kl"), concat("window_top1"), concat("token_kl"), concat("token_nll"))
 
 
+def _text(sampled: Sequence[bool]) -> np.ndarray:
+    """Indices of the text windows among `sampled`, or of all of them when every one is a sample."""
+    sampled = np.asarray(sampled, bool)
+    return np.flatnonzero(~sampled) if not sampled.all() else np.arange(len(sampled))
+
+
 def _scored(sums, counts, sampled, windows, seconds, *against) -> Perplexity:
-    """The Perplexity of per-window sums: the loss of the text windows (Perplexity.text)."""
-    p = Perplexity(0.0, 1.0, sum(counts), windows, seconds, tuple(sums), tuple(counts), *against, window_sampled=tuple(bool(x) for x in sampled))
-    text = p.text()
+    """The Perplexity of per-window sums: the loss of the text windows (_text)."""
+    sampled = tuple(bool(x) for x in sampled)
+    text = _text(sampled)
     loss = float(sum(sums[i] for i in text) / max(sum(counts[i] for i in text), 1))
-    return dataclasses.replace(p, loss=loss, perplexity=math.exp(loss))
+    return Perplexity(loss, math.exp(loss), sum(counts), windows, seconds, tuple(sums), tuple(counts), *against, window_sampled=sampled)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,7 @@ from typing import Literal, get_args
 
 import onnx_ir as ir
 
-from surgery import cluster, compensation, evaluate, runtime
-from surgery import requantization
+from surgery import cluster, compensation, evaluate, requantization, runtime
 from surgery.analysis.fit_graph import Form
 from surgery.analysis.probe import defect_scores
 from surgery.blocks import BlockMap
