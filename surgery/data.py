@@ -69,6 +69,10 @@ class Windows:
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
+    def describe(self) -> dict:
+        """What a report says of these windows (report.schema.json's window_set)."""
+        return {"corpus": self.name, "count": len(self), "seq_len": self.seq_len, "tokens": self.tokens, "sampled": int(self.sampled.sum())}
+
     def take(self, indices, name: str | None = None) -> "Windows":
         """The windows at `indices` (in that order), named `name` (default: this one's name)."""
         indices = np.asarray(indices, dtype=np.int64)

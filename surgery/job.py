@@ -152,7 +152,7 @@ def auto(
         times = timing.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
         estimate = times.estimated_speedup(selection.layers)
         prefill, decode, timed = _latency(model, rewritten, seq_len=seq_len, repeats=repeats, options=options, tell=tell) if measure_latency else (None,) * 3
-        described = {name: {"count": len(w), "tokens": w.tokens, "sampled": int(w.sampled.sum())} for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
+        described = {name: w.describe() for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None}
         outcome = Outcome(selection, selection.describe(fused), base.loss, evaluate.delta(base, after), ev.tokens, evaluate.divergence(after, base), estimate,
                           prefill, decode, timed, described, str(times.placement), work.resumed(), seconds, work.cost)
         written = _write(outcome, rewritten, out, model_path)

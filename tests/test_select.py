@@ -154,7 +154,10 @@ def test_auto_command_writes_the_model_and_selection_json(tmp_path, fixture_path
     low, high = saved["dnll_eval_interval"]
     assert low <= saved["dnll_eval"] <= high
     written = set(saved["selection"]["forms"].values())
-    assert saved["form"] == " and ".join(f for f in ("compensated", "plain") if f in written) and saved["windows"]["fit"]["count"] == 8
+    assert saved["form"] == " and ".join(f for f in ("compensated", "plain") if f in written)
+    windows = saved["windows"]
+    assert (windows["fit"]["count"], windows["selection"]["count"], windows["evaluation"]["count"]) == (8, 2, 2)
+    assert {w["seq_len"] for w in windows.values()} == {32} and all(w["tokens"] == w["count"] * 31 for w in windows.values())
     for block in saved["selection"]["blocks"]:  # every block's scores, fit and trials
         assert block["form"] in ("compensated", "plain", "sequential")
         assert block["c_comp"] is not None and block["fit"]["residual"] is not None

@@ -172,7 +172,7 @@ def _diagnose(
     read = functools.partial(data.windows, model_path, corpus, seq_len=seq_len, tokenizer=tokenizer)
     cal = read(max_windows=windows, part="calibration")
     about = {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]}
-    read_windows = {"calibration": _describe(cal)}
+    read_windows = {"calibration": cal.describe()}
     seconds: dict[str, float] = {}
     ev = read(max_windows=eval_windows, part="evaluation") if "defect" in only or "ablation" in only else None
     work = Checkpoints.off()
@@ -198,7 +198,7 @@ def _diagnose(
         defect = ablation = None
         if ev is not None:
             with _timed(seconds, "losses"):
-                read_windows["evaluation"] = _describe(ev)
+                read_windows["evaluation"] = ev.describe()
                 losses = _losses(model, blocks, ev, only, fits, options, tell, pool, work.scope("losses"))
                 defect = _defect(scores["defect"], fits, losses, n) if "defect" in only else None
                 ablation = _ablation(losses, n) if "ablation" in only else None
@@ -492,8 +492,4 @@ def _unchanged(job, blocks, fixes: dict) -> bool:
     """Whether a single-layer run would be the unchanged model: a parallel block, or no fix to switch on."""
     kind, layer = job
     return kind.name in SINGLE and layer != "all" and (blocks[layer].is_parallel or (kind.name == "compensate" and layer not in fixes))
-
-
-def _describe(w: data.Windows) -> dict:
-    return {"corpus": w.name, "count": len(w), "seq_len": w.seq_len, "tokens": w.tokens, "sampled": int(w.sampled.sum())}
 
