@@ -17,11 +17,15 @@ import functools
 import json
 from pathlib import Path
 
+import typing
+
 import numpy as np
-from tokenizers import Tokenizer
 
 from surgery import corpus, graph
 from surgery.errors import SurgeryError
+
+if typing.TYPE_CHECKING:  # imported where a tokenizer is read: the graph passes run without tokenizers (the GPU machine has none)
+    from tokenizers import Tokenizer
 
 BUILT_IN = {  # the names --data takes for the embedded corpora -> (documents, display name)
     "text": (lambda: list(corpus.mixed()), "built-in text"),  # the default's text: several kinds (corpus.py)
@@ -147,6 +151,8 @@ def load_tokenizer(model: str | Path, tokenizer: str | Path | None = None) -> To
         raise SurgeryError(
             f"found no tokenizer at {path}; pass a folder from `surgery export` or --tokenizer PATH/tokenizer.json"
         )
+    from tokenizers import Tokenizer
+
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
@@ -171,6 +177,8 @@ def token_stream(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
 @functools.lru_cache(maxsize=4)
 def _stream(tokenizer_json: str, texts: tuple[str, ...]) -> np.ndarray:
     """token_stream, remembered: one command asks for several parts of the same corpus."""
+    from tokenizers import Tokenizer
+
     stream = token_stream(list(texts), Tokenizer.from_str(tokenizer_json))
     stream.flags.writeable = False
     return stream
