@@ -239,16 +239,22 @@ def test_the_main_job_profiles_its_estimate_with_the_latencys_options(monkeypatc
     assert outcome.estimate_placement == "CPU"
 
 
-def test_the_cuda_benchmark_smoke_run_needs_only_the_gpu_machines_packages_and_prints_each_graphs_placement():
-    """As on the GPU machine's image, which has no tokenizers, transformers, ray or matplotlib: both block sets
-    (the later half, all), five graphs each, every node placed on the smoke run's CPU."""
-    script = (
-        "import runpy, sys\n"
-        "for name in ('tokenizers', 'transformers', 'ray', 'matplotlib'):\n    sys.modules[name] = None\n"
-        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\nsys.argv = ['cuda.py', '--smoke']\n"
-        f"runpy.run_path({str(ROOT / 'benchmarks' / 'cuda.py')!r}, run_name='__main__')\n"
+GPU_IMAGE_LACKS = ("tokenizers", "transformers", "ray", "matplotlib")
+
+
+def _smoke(script: str) -> subprocess.CompletedProcess:
+    """benchmarks/SCRIPT --smoke as on the GPU machine's image, which has none of GPU_IMAGE_LACKS."""
+    code = (
+        f"import runpy, sys\nfor name in {GPU_IMAGE_LACKS!r}:\n    sys.modules[name] = None\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\nsys.argv = [{script!r}, '--smoke']\n"
+        f"runpy.run_path({str(ROOT / 'benchmarks' / script)!r}, run_name='__main__')\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+
+
+def test_the_cuda_benchmark_smoke_run_needs_only_the_gpu_machines_packages_and_prints_each_graphs_placement():
+    """Both block sets (the later half, all), five graphs each, every node placed on the smoke run's CPU."""
+    done = _smoke("cuda.py")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "every node of every session on CPUExecutionProvider" in done.stdout
     header, _, *rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("|")]
@@ -257,6 +263,30 @@ def test_the_cuda_benchmark_smoke_run_needs_only_the_gpu_machines_packages_and_p
         (g, "-" if g == "original" else blocks) for blocks in ("1: 1", "2: 0-1") for g in ("original", "plain", "fused", "compensated", "fused compensated")
     ]
     assert all(r[3].strip() == "CPU" for r in rows) and "float16" in rows[0][0]
+
+
+def test_the_cuda_equality_check_smoke_run_scores_each_fixture_like_evaluate():
+    """CPU against CPU: each fixture's row is surgery.evaluate's numbers for the fixture and its all-block plain parallel
+    rewrite on 16 windows of 32 ids drawn by NumPy's generator seeded 0."""
+    from surgery import data
+    from surgery.blocks import find_blocks
+    from surgery.job import rewrite
+
+    done = _smoke("cuda_equal.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r[0].strip(): r for r in (line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| tiny"))}
+    assert sorted(rows) == ["tiny-gpt2", "tiny-llama"]
+    for name, row in rows.items():
+        model = graph.load(ROOT / "graphs" / name)
+        vocab = runtime.vocab_size(runtime.session(model, runtime.Options(device="cpu")))
+        ids = np.random.default_rng(0).integers(0, vocab, (16, 32), dtype=np.int64)
+        windows = data.Windows(ids, np.zeros(16, np.int64), np.arange(16) * 32, "random ids")
+        base, other = evaluate.compare([model, rewrite(model, range(len(find_blocks(model)))).model], windows)
+        div = evaluate.divergence(other)
+        mine = {"loss": base.loss, "parallel loss": other.loss, "KL": div.kl, "top-1": div.top1}
+        printed = [tuple(float(x) for x in cell.split("/")) for cell in row[1:5]]
+        assert all(abs(a - mine[k]) < 1e-6 and a == b for (a, b), k in zip(printed, mine))
+        assert 0 < mine["KL"] and 0 < mine["top-1"] < 1
 
 
 def _kv_graph(dtype: ir.DataType, compute: str = "Cast") -> ir.Model:

@@ -1,0 +1,70 @@
+"""Does surgery's evaluation give the same numbers on CUDA as on the CPU? (issue 36, item 3)
+
+    python benchmarks/cuda_equal.py            # on a machine with an NVIDIA GPU and onnxruntime-gpu (benchmarks/gpu.sh runs it)
+    python benchmarks/cuda_equal.py --smoke    # CPU against CPU: checks the script, compares nothing
+
+The committed tiny fixtures (float32: graphs/tiny-llama, graphs/tiny-gpt2), each against its plain parallel rewrite
+of every block, scored by surgery.evaluate.compare on 16 windows of 32 random token ids (no tokenizer: the GPU
+machine has none) on the CPU and on CUDA. One row per fixture: the original's loss, the rewrite's loss, KL and top-1
+on each device and the largest difference; exits 1 when a difference passes --tolerance (1e-4), or KL's relative
+difference passes 1e-3 (the fixtures' KL is small, so 1e-4 alone would say little about it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from common import ROOT, table
+
+from surgery import data, evaluate, graph, runtime
+from surgery.blocks import find_blocks
+from surgery.job import rewrite
+
+FIXTURES = ("tiny-llama", "tiny-gpt2")
+KL_RELATIVE = 1e-3
+
+
+def scores(folder, windows: data.Windows, device: str) -> dict[str, float]:
+    """The original's loss and the plain parallel rewrite's loss, KL and top-1, on `device`."""
+    model = graph.load(folder)
+    parallel = rewrite(model, list(range(len(find_blocks(model))))).model
+    base, other = evaluate.compare([graph.load(folder), parallel], windows, batch_size=4, options=runtime.Options(device=device))
+    div = evaluate.divergence(other)
+    return {"loss": base.loss, "parallel loss": other.loss, "KL": div.kl, "top-1": div.top1}
+
+
+def random_windows(folder, n: int = 16, seq_len: int = 32, seed: int = 0) -> data.Windows:
+    vocab = runtime.vocab_size(runtime.session(graph.load(folder), runtime.Options(device="cpu")))
+    ids = np.random.default_rng(seed).integers(0, vocab, (n, seq_len), dtype=np.int64)
+    return data.Windows(ids, np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * seq_len, "random ids")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU against CPU: checks the script, compares nothing")
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    args = parser.parse_args()
+    if not args.smoke and not runtime.cuda_usable():
+        print("benchmarks/cuda_equal.py needs an NVIDIA GPU with a working CUDAExecutionProvider; `--smoke` checks the script on CPU", file=sys.stderr)
+        sys.exit(1)
+    other = "cpu" if args.smoke else "cuda"
+    rows, worst, ok = [], 0.0, True
+    for name in FIXTURES:
+        folder = ROOT / "graphs" / name
+        windows = random_windows(folder)
+        cpu, dev = scores(folder, windows, "cpu"), scores(folder, windows, other)
+        diff, kl_rel = max(abs(cpu[k] - dev[k]) for k in cpu), abs(cpu["KL"] - dev["KL"]) / cpu["KL"]
+        worst, ok = max(worst, diff), ok and diff <= args.tolerance and kl_rel <= KL_RELATIVE
+        rows.append({"fixture": name, **{f"{k} cpu / {other}": f"{cpu[k]:.6f} / {dev[k]:.6f}" for k in cpu},
+                     "largest difference": f"{diff:.1e}", "KL relative difference": f"{kl_rel:.1e}"})
+    print(table(rows, list(rows[0])))
+    verdict = "equal" if ok else "NOT equal"
+    print(f"\n{verdict}: largest difference {worst:.1e} (tolerance {args.tolerance:g}, KL relative {KL_RELATIVE:g})"
+          f"{'; smoke: CPU against CPU' if args.smoke else ''}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
