@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from pathlib import Path
-
 import typing
+from pathlib import Path
 
 import numpy as np
 
