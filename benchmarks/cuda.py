@@ -231,7 +231,7 @@ def main() -> None:
     header = (f"onnxruntime {ort.__version__}, {'CPU smoke test, not a measurement' if args.smoke else gpu_name()}, "
               f"{args.repeats} interleaved repeats (warm-up {args.warmup}), IO binding, "
               f"prefill batch x {args.seq_len}, decode 1 token after a cache of {args.seq_len}")
-    rows, providers, placements = [], set(), {}
+    rows, timed = [], []  # the table, and each graph's first-batch Latency (its provider and placement)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             start = time.perf_counter()
@@ -254,13 +254,15 @@ def main() -> None:
                 parser.error(f"unknown model {name!r}; use synthetic or smollm2")
             log(f"{label}: loaded in {time.perf_counter() - start:.0f} s")
             for layers in sets:
-                rows += _measure(model, label, layers, {l: fixes[l] for l in layers}, batches, args, options, Path(tmp) / name, providers, placements, log)
+                more, first = _measure(model, label, layers, {l: fixes[l] for l in layers}, batches, args, options, Path(tmp) / name, log)
+                rows, timed = rows + more, timed + first
             del model
     expected = runtime.CPU if args.smoke else runtime.CUDA
+    providers = {t.provider for t in timed}
     if providers != {expected}:
         print(f"error: sessions ran on {', '.join(sorted(providers))}, not {expected} alone", file=sys.stderr)
         sys.exit(1)
-    complete = all(p is not None and not p.on_cpu for p in placements.values())
+    complete = all(t.placement is not None and not t.placement.on_cpu for t in timed)
     print(f"{header}; " + (f"every node of every session on {expected}" if complete else
                            f"every session on {expected}, with the ops ORT placed on the CPU in the placement column"))
     print(table(rows, list(rows[0])))
@@ -268,14 +270,14 @@ def main() -> None:
           "block set and batch")
 
 
-def _measure(model, label, layers, fixes, batches, args, options, tmp: Path, providers: set, placements: dict, log) -> list[dict]:
-    """One block set: its graphs' sessions, timed interleaved at each batch; one row per graph."""
+def _measure(model, label, layers, fixes, batches, args, options, tmp: Path, log) -> tuple[list[dict], list[timing.Latency]]:
+    """One block set: its graphs' sessions, timed interleaved at each batch; one row per graph, and each graph's
+    Latency at the first batch."""
     start = time.perf_counter()
     graphs = variants(model, layers, fixes)
     tmp.mkdir(exist_ok=True)
     # profiled until the first latency run's warm-up ends: where ORT placed each node
     sessions = {g: runtime.session(m, dataclasses.replace(options, profile=str(tmp / f"{len(layers)}-{g.replace(' ', '-')}"))) for g, m in graphs.items()}
-    providers |= {s.get_providers()[0] for s in sessions.values()}
     blocks = format_layers(layers)
     log(f"{label}, blocks {blocks}: {len(graphs)} graphs and sessions in {time.perf_counter() - start:.0f} s")
     timed = {}
@@ -285,14 +287,13 @@ def _measure(model, label, layers, fixes, batches, args, options, tmp: Path, pro
         log(f"{label}, blocks {blocks}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
     rows = []
     for i, g in enumerate(graphs):
-        placements[label, blocks, g] = timed[batches[0]][i].placement
-        row = {"model": label, "graph": g, "blocks": "-" if g == "original" else f"{len(layers)}: {blocks}", "placement": str(placements[label, blocks, g])}
+        row = {"model": label, "graph": g, "blocks": "-" if g == "original" else f"{len(layers)}: {blocks}", "placement": str(timed[batches[0]][i].placement)}
         for batch in batches:
             base, r = timed[batch][0], timed[batch][i]
             row[f"prefill b{batch} ms (x)"] = f"{r.prefill_ms:.2f} [{r.prefill_p90_ms:.2f}] ({base.prefill_ms / r.prefill_ms:.3f})"
             row[f"decode b{batch} ms (x)"] = f"{r.decode_ms:.3f} [{r.decode_p90_ms:.3f}] ({base.decode_ms / r.decode_ms:.3f})"
         rows.append(row)
-    return rows
+    return rows, timed[batches[0]]
 
 
 if __name__ == "__main__":

@@ -26,17 +26,15 @@ FIXTURES = ("tiny-llama", "tiny-gpt2")
 KL_RELATIVE = 1e-3
 
 
-def scores(folder, windows: data.Windows, device: str) -> dict[str, float]:
-    """The original's loss and the plain parallel rewrite's loss, KL and top-1, on `device`."""
-    model = graph.load(folder)
-    parallel = rewrite(model, list(range(len(find_blocks(model))))).model
-    base, other = evaluate.compare([graph.load(folder), parallel], windows, batch_size=4, options=runtime.Options(device=device))
+def scores(models: list, windows: data.Windows, device: str) -> dict[str, float]:
+    """The original's loss and the rewrite's loss, KL and top-1, on `device`: models = [original, rewrite]."""
+    base, other = evaluate.compare(models, windows, batch_size=4, options=runtime.Options(device=device))
     div = evaluate.divergence(other)
     return {"loss": base.loss, "parallel loss": other.loss, "KL": div.kl, "top-1": div.top1}
 
 
-def random_windows(folder, n: int = 16, seq_len: int = 32, seed: int = 0) -> data.Windows:
-    vocab = runtime.vocab_size(runtime.session(graph.load(folder), runtime.Options(device="cpu")))
+def random_windows(model, n: int = 16, seq_len: int = 32, seed: int = 0) -> data.Windows:
+    vocab = runtime.vocab_size(runtime.session(model, runtime.Options(device="cpu")))
     ids = np.random.default_rng(seed).integers(0, vocab, (n, seq_len), dtype=np.int64)
     return data.Windows(ids, np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * seq_len, "random ids")
 
@@ -52,9 +50,10 @@ def main() -> None:
     other = "cpu" if args.smoke else "cuda"
     rows, worst, ok = [], 0.0, True
     for name in FIXTURES:
-        folder = ROOT / "graphs" / name
-        windows = random_windows(folder)
-        cpu, dev = scores(folder, windows, "cpu"), scores(folder, windows, other)
+        model = graph.load(ROOT / "graphs" / name)
+        models = [model, rewrite(model, range(len(find_blocks(model)))).model]  # passes leave their input as it was
+        windows = random_windows(model)
+        cpu, dev = scores(models, windows, "cpu"), scores(models, windows, other)
         diff, kl_rel = max(abs(cpu[k] - dev[k]) for k in cpu), abs(cpu["KL"] - dev["KL"]) / cpu["KL"]
         worst, ok = max(worst, diff), ok and diff <= args.tolerance and kl_rel <= KL_RELATIVE
         rows.append({"fixture": name, **{f"{k} cpu / {other}": f"{cpu[k]:.6f} / {dev[k]:.6f}" for k in cpu},

@@ -29,9 +29,9 @@ import numpy as np
 import per_token
 import torch
 from domains import corpus
-from per_token import boot, load_fixes
+from per_token import FIELDS, boot, load_fixes, write_graph
 
-from surgery import data
+from surgery import data, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRATCH = ROOT / "out" / "distill"
@@ -44,10 +44,7 @@ class Parallel(torch.nn.Module):
     def __init__(self, layer, fix):
         super().__init__()
         self.layer, self.on = layer, True
-        self.w_a, self.w_p, self.b, self.w_in, self.b_in = (torch.nn.Parameter(t.float().clone()) for t in fix)
-
-    def matrices(self):
-        return self.w_a, self.w_p, self.b, self.w_in, self.b_in
+        self.fix_params = torch.nn.ParameterList(torch.nn.Parameter(t.float().clone()) for t in fix)  # in FIELDS' order
 
     def forward(self, hidden_states, *args, **kw):
         if not self.on:
@@ -56,12 +53,12 @@ class Parallel(torch.nn.Module):
         blk, x = self.layer, hidden_states
         A, _ = blk.self_attn(hidden_states=blk.input_layernorm(x), past_key_values=None, **kw)
         n = blk.post_attention_layernorm(x)
-        w_a, w_p, b, w_in, b_in = self.matrices()
+        w_a, w_p, b, w_in, b_in = self.fix_params
         P = blk.mlp(n + n @ w_in + b_in)
         return x + A + A @ w_a + P + P @ w_p + b
 
     def fix(self):
-        return tuple(p.detach().double() for p in self.matrices())
+        return tuple(p.detach().double() for p in self.fix_params)
 
 
 def install(model, fixes):
@@ -124,20 +121,8 @@ def train(model, blocks, fit_ids, sel_ids, epochs, batch, lr, seed=0):
     return best[2]
 
 
-def write_graph(layers, fixes, folder):
-    """The rewritten ONNX graph with `fixes` {layer: (w_a, w_p, b, w_in, b_in)} folded in, as the main job writes it."""
-    from surgery import graph
-    from surgery.job import rewrite
-    from surgery.passes import Fix
-
-    f64 = {l: Fix(**{k: np.asarray(v, np.float64) for k, v in zip(("w_a", "w_p", "b", "w_in", "b_in"), fixes[l])}) for l in layers}
-    return graph.write(rewrite(graph.load(str(per_token.MODEL)), layers, fixes=f64).model, folder, like=str(per_token.MODEL))
-
-
 def onnx_check(model, blocks, folder, ids):
     """Max |logits| difference, the trained torch blocks vs the written ONNX graph, on `ids`."""
-    from surgery import runtime
-
     sess = runtime.session(folder, runtime.Options())
     ref = sess.run(["logits"], runtime.feeds(sess, ids))[0]
     switch(blocks, True)
@@ -180,7 +165,7 @@ def main():
     secs = time.perf_counter() - t
     after = {k: kl_windows(model, blocks, ids) for k, ids in held.items()}
     np.savez(SCRATCH / f"trained-{'-'.join(map(str, layers))}-n{len(train_w)}.npz",
-             **{f"{k}{l}": v.numpy() for l, b in blocks.items() for k, v in zip(("w_a", "w_p", "b", "w_in", "b_in"), b.fix())})
+             **{f"{k}{l}": v.numpy() for l, b in blocks.items() for k, v in zip(FIELDS, b.fix())})
     if args.write:
         folder = write_graph(layers, {l: b.fix() for l, b in blocks.items()}, args.write)
         diff, scale = onnx_check(model, blocks, folder, held["evaluation"][:2])

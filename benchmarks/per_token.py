@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL, HF, SCRATCH = ROOT / "out" / "smollm2", ROOT / "out" / "smollm2-hf", ROOT / "out" / "per_token"
 torch.set_num_threads(1)
 F64 = torch.float64
+FIELDS = ("w_a", "w_p", "b", "w_in", "b_in")  # a compensated block's fix, in the order every tuple here holds it
 
 
 def windows(**kw):
@@ -65,7 +66,7 @@ def load_fixes(layers, fit_w, path):
             out.update({f"w_a{l}": f.w_a, f"w_p{l}": wp, f"b{l}": f.b, f"w_in{l}": f.w_in, f"b_in{l}": f.b_in})
         np.savez(path, **out)
     z = np.load(path)
-    return {l: tuple(torch.from_numpy(z[f"{k}{l}"]).to(F64) for k in ("w_a", "w_p", "b", "w_in", "b_in")) for l in layers}
+    return {l: tuple(torch.from_numpy(z[f"{k}{l}"]).to(F64) for k in FIELDS) for l in layers}
 
 
 def collect(model, layers, ids, batch=4):
@@ -156,12 +157,16 @@ def replace_layers(model, fixes, corrs, state):
         blk.forward = forward
 
 
+def write_graph(layers, fixes, folder) -> Path:
+    """SmolLM2's graph with `fixes` {layer: tuple in FIELDS' order} folded into `layers` by surgery's own rewrite, written to `folder`."""
+    from surgery.job import rewrite
+    f64 = {l: Fix(**{k: np.asarray(v, np.float64) for k, v in zip(FIELDS, fixes[l])}) for l in layers}
+    return graph.write(rewrite(graph.load(str(MODEL)), layers, fixes=f64).model, folder, like=str(MODEL))
+
+
 def onnx_check(model, layers, fixes, ids, state):
     """Max |logits| difference, torch (today's fix) vs surgery's rewritten ONNX graph, on `ids`."""
-    from surgery.job import rewrite
-    f64 = {l: Fix(w_a=f[0].numpy(), w_p=f[1].numpy(), b=f[2].numpy(), w_in=f[3].numpy(), b_in=f[4].numpy()) for l, f in fixes.items()}
-    res = rewrite(graph.load(str(MODEL)), layers, fixes=f64)
-    out = graph.write(res.model, SCRATCH / "today", like=str(MODEL))
+    out = write_graph(layers, fixes, SCRATCH / "today")
     sess = runtime.session(out, runtime.Options(threads=1, inter_threads=1))
     ref = sess.run(["logits"], runtime.feeds(sess, ids))[0]
     state["mode"] = "today"
