@@ -22,7 +22,7 @@ def smollm2() -> Path:
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
-    """A markdown table of `rows` (already formatted strings)."""
+    """A markdown table of `rows` (already formatted strings; a cell a row lacks is left blank)."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)

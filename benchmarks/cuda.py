@@ -52,7 +52,8 @@ SHAPES = {
     "8b": {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "d_mlp": 14336, "vocab": 32000, "max_positions": 2048},
 }
 TINY = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128, vocab=512, max_positions=256)
-SMOLLM2_LAYERS = "4,6-8,15,22-23,25,28-29"  # what `surgery parallelize out/smollm2` chose before issue 18's KL budget
+SMOLLM2_LAYERS = "4,6-8,15,22-23,25,28-29"
+WAYS = ("ORT", "ORT + CUDA graphs")  # as ORT runs each node, and captured once as a CUDA graph and replayed  # what `surgery parallelize out/smollm2` chose before issue 18's KL budget
 
 
 def llama_shaped(d_model, n_layers, n_heads, n_kv_heads, d_mlp, vocab, max_positions, dtype="float32", seed=0) -> ir.Model:
@@ -210,6 +211,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--smollm2-layers", default=SMOLLM2_LAYERS)
     parser.add_argument("--synthetic-layers", default="half;all", help="`;`-separated block sets: half (the later half), all, or a layer list")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time each graph captured as a CUDA graph and replayed (ORT's enable_cuda_graph; on the CPU, in --smoke, "
+                        "the same fixed-buffer runs without a graph)")
     parser.add_argument("--fit-windows", type=int, default=32, help="calibration windows of 256 tokens for SmolLM2's fix")
     parser.add_argument("--smoke", action="store_true", help="CPU, graphs/tiny-llama for SmolLM2, a tiny synthetic model, "
                         "seq-len 32, 3 repeats, IO binding on host buffers: checks the script end to end, measures nothing")
@@ -271,29 +275,53 @@ def main() -> None:
 
 
 def _measure(model, label, layers, fixes, batches, args, options, tmp: Path, log) -> tuple[list[dict], list[timing.Latency]]:
-    """One block set: its graphs' sessions, timed interleaved at each batch; one row per graph, and each graph's
-    Latency at the first batch."""
+    """One block set: its graphs' sessions, timed interleaved at each batch, first as ORT runs them, then (--cuda-graphs)
+    captured as CUDA graphs and replayed; one row per graph and way, and each graph's ORT Latency at the first batch."""
     start = time.perf_counter()
     graphs = variants(model, layers, fixes)
     tmp.mkdir(exist_ok=True)
-    # profiled until the first latency run's warm-up ends: where ORT placed each node
-    sessions = {g: runtime.session(m, dataclasses.replace(options, profile=str(tmp / f"{len(layers)}-{g.replace(' ', '-')}"))) for g, m in graphs.items()}
     blocks = format_layers(layers)
-    log(f"{label}, blocks {blocks}: {len(graphs)} graphs and sessions in {time.perf_counter() - start:.0f} s")
-    timed = {}
-    for batch in batches:
-        start = time.perf_counter()
-        timed[batch] = timing.latency(list(sessions.values()), batch=batch, seq_len=args.seq_len, repeats=args.repeats, warmup=args.warmup, bind=True)
-        log(f"{label}, blocks {blocks}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
-    rows = []
-    for i, g in enumerate(graphs):
-        row = {"model": label, "graph": g, "blocks": "-" if g == "original" else f"{len(layers)}: {blocks}", "placement": str(timed[batches[0]][i].placement)}
+    rows, first = [], []
+    for way in WAYS[: 2 if args.cuda_graphs else 1]:
+        captured = way != "ORT"
+        if captured:  # the same graphs, each session asking ORT to capture its runs (it refuses one with a node off CUDA)
+            sessions, refused = {}, {}
+            for g, m in graphs.items():
+                try:
+                    sessions[g] = runtime.session(m, dataclasses.replace(options, cuda_graph=True))
+                except Exception as e:  # noqa: BLE001 - ORT's refusal is the finding: reported in the table
+                    refused[g] = str(e).strip().splitlines()[0][:160]
+            if "original" in refused:
+                log(f"{label}, blocks {blocks}: {way}: the original was refused ({refused['original']}); no replayed times")
+                rows.append({"model": label, "graph": "original", "runtime": way, "placement": f"refused: {refused['original']}"})
+                continue
+        else:  # profiled until the first latency run's warm-up ends: where ORT placed each node
+            sessions, refused = {g: runtime.session(m, dataclasses.replace(options, profile=str(tmp / f"{len(layers)}-{g.replace(' ', '-')}")))
+                                 for g, m in graphs.items()}, {}
+        log(f"{label}, blocks {blocks}: {way}: {len(sessions)} sessions in {time.perf_counter() - start:.0f} s")
+        timed = {}
         for batch in batches:
-            base, r = timed[batch][0], timed[batch][i]
-            row[f"prefill b{batch} ms (x)"] = f"{r.prefill_ms:.2f} [{r.prefill_p90_ms:.2f}] ({base.prefill_ms / r.prefill_ms:.3f})"
-            row[f"decode b{batch} ms (x)"] = f"{r.decode_ms:.3f} [{r.decode_p90_ms:.3f}] ({base.decode_ms / r.decode_ms:.3f})"
-        rows.append(row)
-    return rows, timed[batches[0]]
+            start = time.perf_counter()
+            timed[batch] = timing.latency(list(sessions.values()), batch=batch, seq_len=args.seq_len, repeats=args.repeats,
+                                          warmup=args.warmup, bind=True, graphs=captured)
+            log(f"{label}, blocks {blocks}: {way}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
+        names = list(sessions)
+        for g in graphs:
+            row = {"model": label, "graph": g, "runtime": way, "blocks": "-" if g == "original" else f"{len(layers)}: {blocks}"}
+            if g in refused:
+                rows.append({**row, "placement": f"refused: {refused[g]}"})
+                continue
+            i = names.index(g)
+            row["placement"] = ("CUDA graph" if options.device == "cuda" else "CPU, fixed buffers") if captured else str(timed[batches[0]][i].placement)
+            for batch in batches:
+                base, r = timed[batch][0], timed[batch][i]
+                row[f"prefill b{batch} ms (x)"] = f"{r.prefill_ms:.2f} [{r.prefill_p90_ms:.2f}] ({base.prefill_ms / r.prefill_ms:.3f})"
+                row[f"decode b{batch} ms (x)"] = f"{r.decode_ms:.3f} [{r.decode_p90_ms:.3f}] ({base.decode_ms / r.decode_ms:.3f})"
+            rows.append(row)
+        if not captured:
+            first = timed[batches[0]]
+        del sessions, timed  # one way's sessions at a time on the device
+    return rows, first
 
 
 if __name__ == "__main__":

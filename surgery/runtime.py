@@ -37,6 +37,7 @@ class Options:
     profile: str | None = None  # file prefix: ORT writes a JSON profile of every kernel run there (see `placement`)
     memory_reuse: bool = True  # False: no plan of buffers shared between values (see `analysis`)
     spinning: bool = True  # False: ORT's idle threads sleep at once instead of spinning (NumPy work between runs)
+    cuda_graph: bool = False  # on CUDA, ORT captures a bound run's kernels as a CUDA graph and replays it (Prepared with a graph id)
 
 
 def analysis(options: Options) -> Options:
@@ -146,7 +147,9 @@ def session(model: ir.Model | str | Path, options: Options = Options()) -> Sessi
         source = str(graph.resolve(model))
         graph.read(source)  # checked as graph.load checks it, before ORT opens it
         kv = config.kv_sizes(graph.resolve(model).parent)
-    chosen = list(providers(options.device))
+    chosen: list = list(providers(options.device))
+    if options.cuda_graph and chosen[0] == CUDA:  # ORT refuses the session unless every node runs on CUDA
+        chosen[0] = (CUDA, {"enable_cuda_graph": "1"})
     try:
         sess = ort.InferenceSession(source, so, providers=chosen)
     except ort.capi.onnxruntime_pybind11_state.NotImplemented as e:
@@ -223,6 +226,11 @@ class Portable:
 def on_cuda(sess: Session) -> bool:
     """True when the session's inputs belong on the GPU (its first provider is CUDA); where each node runs is `placement`."""
     return sess.get_providers()[0] == CUDA
+
+
+def captures_graphs(sess: Session) -> bool:
+    """Whether the session was made with Options.cuda_graph and runs on CUDA: its bound runs are captured and replayed."""
+    return on_cuda(sess) and sess.get_provider_options().get(CUDA, {}).get("enable_cuda_graph") == "1"
 
 
 def short_name(provider: str) -> str:
@@ -363,13 +371,18 @@ class Prepared:
     call copies nothing to or from the host. None binds when the session is on CUDA; True binds on
     CPU too (host buffers: the same code path, testable without a GPU); False runs sess.run.
     Inputs may be OrtValues already on the device, such as a bound run's present (decode_inputs).
+    graph: the CUDA graph id of this run in a session made with Options.cuda_graph (each input shape
+    needs its own). A captured graph reads and writes fixed addresses, so the run is bound (on CPU too,
+    where the id is ignored) and its outputs go to buffers allocated once, at the shapes of a first run
+    made here outside any graph; ORT captures the graph at a later call and replays it after.
     """
 
-    def __init__(self, sess: Session, inputs: dict[str, Feed], bind: bool | None = None):
+    def __init__(self, sess: Session, inputs: dict[str, Feed], bind: bool | None = None, graph: int | None = None):
         self.sess, self.inputs = sess, inputs
         self.device = "cuda" if on_cuda(sess) else "cpu"
-        self.binding, self._outputs = None, None
-        if bind or (bind is None and self.device == "cuda"):
+        self.binding, self._outputs, self.run_options = None, None, None
+        self._fixed: list | None = None  # with a graph id: the outputs' shapes and types, bound to buffers allocated once
+        if bind or graph is not None or (bind is None and self.device == "cuda"):
             # the OrtValues are kept: a CPU one borrows its array's buffer, which must outlive the binding
             self.inputs = {
                 name: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), self.device, 0)
@@ -379,29 +392,55 @@ class Prepared:
             for name, value in self.inputs.items():
                 self.binding.bind_ortvalue_input(name, value)
             self._bind_outputs()
+        if graph is not None:
+            self.run_options = _graph_id(-1)  # this run outside any graph: the outputs' shapes
+            self()
+            self._fixed = [(v.shape(), v.data_type()) for v in self.binding.get_outputs()]
+            self._outputs = self.binding.get_outputs()  # the first run's, until the next call
+            self._bind_outputs()
+            self.run_options = _graph_id(graph)
 
     def _bind_outputs(self) -> None:
         self.binding.clear_binding_outputs()
-        for out in self.sess.get_outputs():
-            self.binding.bind_output(out.name, self.device, 0)
+        if self._fixed is None:
+            for out in self.sess.get_outputs():
+                self.binding.bind_output(out.name, self.device, 0)
+            return
+        for out, (shape, type_name) in zip(self.sess.get_outputs(), self._fixed):
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY[type_name], self.device, 0)
+            self.binding.bind_ortvalue_output(out.name, buffer)
 
     def __call__(self) -> None:
         if self.binding is None:
             self._outputs = self.sess.run(None, self.inputs)
-        else:
-            self.sess.run_with_iobinding(self.binding)
-            self.binding.synchronize_outputs()
+            return
+        self.sess.run_with_iobinding(self.binding, self.run_options)
+        self.binding.synchronize_outputs()
+        if self._fixed is not None:
+            self._outputs = None
 
     def outputs(self, keep: bool = False) -> list[Feed]:
         """The last call's outputs, in the order of sess.get_outputs(): OrtValues left on the device when
         bound, else arrays. A bound run writes its next outputs into the same buffers; keep=True hands
-        these over for good (the next call allocates new ones), so they can be another run's inputs."""
+        these over for good (the next call gets new ones), so they can be another run's inputs: with a
+        graph id, only before the graph is captured (the first two calls), as it keeps its addresses."""
         if self.binding is None:
             return list(self._outputs)
-        values = self.binding.get_outputs()
+        values = self._outputs if self._outputs is not None else self.binding.get_outputs()
         if keep:
+            self._outputs = None
             self._bind_outputs()
         return values
+
+
+def _graph_id(graph: int) -> ort.RunOptions:
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", str(graph))
+    return options
+
+
+_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(int64)": np.int64,
+          "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
 
 
 def decode_inputs(prefill: Prepared, next_ids: np.ndarray) -> dict[str, Feed]:

@@ -43,6 +43,7 @@ def latency(
     options: runtime.Options = runtime.Options(),
     seed: int = 0,
     bind: bool | None = None,
+    graphs: bool | None = None,
     progress: Progress | None = None,
 ) -> list[Latency]:
     """Prefill and decode wall times of each model, with the repeats of all models interleaved.
@@ -50,14 +51,17 @@ def latency(
     Each repeat runs every model's prefill, then every model's decode, starting from a different model each time, so drift on the machine falls on all graphs
     alike. Same session options for all (sessions given ready-made are used as they are). bind: IO binding, as runtime.Prepared (None: on CUDA); the decode's
     past is then the prefill's present, left on the device. The warm-up (at least one run) is profiled, for each session's placement; the timed runs are not. A
-    session given ready-made has its placement read when it was made with Options.profile and not yet ended.
+    session given ready-made has its placement read when it was made with Options.profile and not yet ended. graphs: each session's
+    prefill and decode as CUDA graphs 1 and 2, on fixed buffers (runtime.Prepared); None: when the sessions capture graphs
+    (Options.cuda_graph on CUDA); True on the CPU runs the same fixed-buffer path without a graph.
     """
     with tempfile.TemporaryDirectory() as tmp:
         sessions = [
             m if isinstance(m, runtime.Session) else runtime.session(m, dataclasses.replace(options, profile=str(Path(tmp) / f"{i}")))
             for i, m in enumerate(models)
         ]
-        prefill, decode, placements = _warm(sessions, batch, seq_len, max(warmup, 1), seed, bind)
+        replay = [runtime.captures_graphs(s) if graphs is None else graphs for s in sessions]
+        prefill, decode, placements = _warm(sessions, batch, seq_len, max(warmup, 1), seed, bind, replay)
     times = {kind: [[] for _ in sessions] for kind in ("prefill", "decode")}
     n = len(sessions)
     for r in range(repeats):
@@ -90,23 +94,23 @@ def latency(
     return results
 
 
-def _warm(sessions, batch: int, seq_len: int, warmup: int, seed: int, bind: bool | None):
-    """Each session's prefill and decode runs (decode None without a KV cache), run `warmup` times each,
-    and each session's placement from the profile of those runs."""
+def _warm(sessions, batch: int, seq_len: int, warmup: int, seed: int, bind: bool | None, replay: list[bool]):
+    """Each session's prefill and decode runs (decode None without a KV cache; CUDA graphs 1 and 2 where `replay`),
+    run `warmup` times each (a graph is captured at its second run), and each session's placement from the profile of those runs."""
     rng = np.random.default_rng(seed)
     vocab = runtime.vocab_size(sessions[0])
     ids = rng.integers(0, vocab, size=(batch, seq_len))
     next_ids = rng.integers(0, vocab, size=(batch, 1))
     prefill, decode = [], []
-    for sess in sessions:
-        prefill.append(runtime.Prepared(sess, runtime.feeds(sess, ids), bind))
+    for sess, graphs in zip(sessions, replay):
+        prefill.append(runtime.Prepared(sess, runtime.feeds(sess, ids), bind, graph=1 if graphs else None))
         if runtime.has_kv_cache(sess):
             prefill[-1]()
-            decode.append(runtime.Prepared(sess, runtime.decode_inputs(prefill[-1], next_ids), bind))
+            decode.append(runtime.Prepared(sess, runtime.decode_inputs(prefill[-1], next_ids), bind, graph=2 if graphs else None))
         else:
             decode.append(None)
     for run in prefill + [d for d in decode if d is not None]:
-        for _ in range(warmup):
+        for _ in range(max(warmup, 2) if run.run_options else warmup):  # a graph is captured at its second run
             run()
     return prefill, decode, [runtime.placement(sess) for sess in sessions]
 

@@ -49,6 +49,48 @@ def test_a_bound_decode_reads_the_bound_prefills_present_as_its_past(llama):
         np.testing.assert_array_equal(got.numpy(), expected)
 
 
+def test_a_run_with_a_graph_id_writes_every_call_to_buffers_allocated_once_and_hands_them_over_on_keep(llama):
+    """The fixed-buffer path a CUDA graph needs, on CPU (the id is ignored there): same outputs as sess.run, the same
+    output addresses call after call; kept outputs leave with their values and the next call writes new buffers."""
+    sess, ids = llama
+    inputs = runtime.feeds(sess, ids[:, :16])
+    expected = sess.run(None, inputs)
+    prefill = runtime.Prepared(sess, inputs, graph=1)  # binds on CPU too: a graph needs bound buffers
+    assert prefill.binding is not None and prefill.run_options.get_run_config_entry("gpu_graph_id") == "1"
+    first = [v.numpy() for v in prefill.outputs()]  # the run made outside any graph to learn the shapes
+    addresses = [v.data_ptr() for v in prefill.binding.get_outputs()]
+    for _ in range(2):
+        prefill()
+        assert [v.data_ptr() for v in prefill.outputs()] == addresses
+    for want, a, b in zip(expected, first, prefill.outputs(), strict=True):
+        np.testing.assert_array_equal(a, want)
+        np.testing.assert_array_equal(b.numpy(), want)
+    decode = runtime.Prepared(sess, runtime.decode_inputs(prefill, ids[:, 16:]), graph=2)
+    kept = decode.inputs["past_key_values.0.key"]
+    assert kept.data_ptr() in addresses
+    prefill()
+    assert not {v.data_ptr() for v in prefill.outputs()} & set(addresses)  # the handed-over buffers are the decode's now
+    decode()
+    past = runtime.present_as_past(sess, expected)
+    for want, got in zip(sess.run(None, runtime.feeds(sess, ids[:, 16:], past)), decode.outputs(), strict=True):
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_a_cuda_graph_is_asked_of_the_cuda_provider_alone(monkeypatch, fixture_path):
+    asked = []
+    monkeypatch.setattr(runtime, "cuda_usable", lambda: True)
+    monkeypatch.setattr(runtime.ort, "InferenceSession", lambda source, so, providers: asked.append(providers))
+    for device in ("cuda", "cpu"):
+        runtime.session(fixture_path("llama"), runtime.Options(device=device, cuda_graph=True))
+    assert asked == [[(runtime.CUDA, {"enable_cuda_graph": "1"}), runtime.CPU], [runtime.CPU]]
+
+
+def test_latency_on_fixed_buffers_times_the_same_runs(llama):
+    sess, _ = llama
+    (timed,) = timing.latency([sess], batch=2, seq_len=8, repeats=2, warmup=1, graphs=True)
+    assert timed.decode_ms > 0 and timed.prefill_ms > 0 and timed.repeats == 2
+
+
 def test_an_unbound_decode_step_matches_the_bound_one(llama):
     sess, ids = llama
     steps = []
@@ -253,16 +295,19 @@ def _smoke(script: str) -> subprocess.CompletedProcess:
 
 
 def test_the_cuda_benchmark_smoke_run_needs_only_the_gpu_machines_packages_and_prints_each_graphs_placement():
-    """Both block sets (the later half, all), five graphs each, every node placed on the smoke run's CPU."""
+    """Both block sets (the later half, all), five graphs each, as ORT runs them (every node placed on the smoke run's CPU)
+    and on the fixed buffers of a CUDA graph's replay (which the CPU runs without a graph)."""
     done = _smoke("cuda.py")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "every node of every session on CPUExecutionProvider" in done.stdout
-    header, _, *rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("|")]
-    assert [c.strip() for c in header[:4]] == ["model", "graph", "blocks", "placement"]
-    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
-        (g, "-" if g == "original" else blocks) for blocks in ("1: 1", "2: 0-1") for g in ("original", "plain", "fused", "compensated", "fused compensated")
+    header, _, *rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("|")]
+    assert header[:5] == ["model", "graph", "runtime", "blocks", "placement"]
+    graphs = ("original", "plain", "fused", "compensated", "fused compensated")
+    assert [tuple(r[1:5]) for r in rows] == [
+        (g, way, "-" if g == "original" else blocks, "CPU" if way == "ORT" else "CPU, fixed buffers")
+        for blocks in ("1: 1", "2: 0-1") for way in ("ORT", "ORT + CUDA graphs") for g in graphs
     ]
-    assert all(r[3].strip() == "CPU" for r in rows) and "float16" in rows[0][0]
+    assert "float16" in rows[0][0] and all(cell.endswith(")") for r in rows for cell in r[5:])
 
 
 def test_the_cuda_equality_check_smoke_run_scores_each_fixture_like_evaluate():
