@@ -1,8 +1,9 @@
 """Shared by the benchmark scripts: the repository on sys.path, the exported SmolLM2-135M (made once under out/),
-markdown tables and kl_budget.py's drift refit. Not run by itself."""
+markdown tables, the GPU's name and kl_budget.py's drift refit. Not run by itself."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,3 +27,12 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def gpu_name() -> str:
+    """The GPU's name and driver, from nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "GPU name unknown (no nvidia-smi)"
+    except (OSError, subprocess.TimeoutExpired):
+        return "GPU name unknown (no nvidia-smi)"

@@ -62,19 +62,7 @@ def latency(
         ]
         replay = [runtime.captures_graphs(s) if graphs is None else graphs for s in sessions]
         prefill, decode, placements = _warm(sessions, batch, seq_len, max(warmup, 1), seed, bind, replay)
-    times = {kind: [[] for _ in sessions] for kind in ("prefill", "decode")}
-    n = len(sessions)
-    for r in range(repeats):
-        order = [(r + i) % n for i in range(n)]
-        for kind, runs in (("prefill", prefill), ("decode", decode)):
-            for i in order:
-                if runs[i] is None:
-                    continue
-                start = time.perf_counter()
-                runs[i]()
-                times[kind][i].append((time.perf_counter() - start) * 1000)
-        if progress:
-            progress(1)
+    times = dict(zip(("prefill", "decode"), interleaved([prefill, decode], repeats, progress)))
     results = []
     for i, sess in enumerate(sessions):
         p, d = times["prefill"][i], times["decode"][i]
@@ -92,6 +80,24 @@ def latency(
             )
         )
     return results
+
+
+def interleaved(runs: Sequence[Sequence[Callable[[], None] | None]], repeats: int, progress: Progress | None = None) -> list[list[list[float]]]:
+    """Wall times in ms, [kind][i][repeat], of runs[kind][i] (None: not run, no times). Each repeat runs every run of each
+    kind in turn, kind after kind, starting from a different i each time, so drift on the machine falls on all alike."""
+    times: list[list[list[float]]] = [[[] for _ in kind] for kind in runs]
+    for r in range(repeats):
+        for kind, per_kind in zip(runs, times):
+            n = len(kind)
+            for i in ((r + j) % n for j in range(n)):
+                if kind[i] is None:
+                    continue
+                start = time.perf_counter()
+                kind[i]()
+                per_kind[i].append((time.perf_counter() - start) * 1000)
+        if progress:
+            progress(1)
+    return times
 
 
 def _warm(sessions, batch: int, seq_len: int, warmup: int, seed: int, bind: bool | None, replay: list[bool]):

@@ -380,3 +380,53 @@ def test_a_graph_computing_in_bfloat16_on_the_cpu_is_one_line():
         runtime.session(_kv_graph(ir.DataType.BFLOAT16, compute="Mul"), runtime.Options(device="cpu"))
     message = str(error.value)
     assert "\n" not in message and message.startswith("ONNX Runtime's CPU provider cannot run this graph") and "--device cuda" in message
+
+
+@pytest.fixture
+def benchmarks_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+
+def test_the_torch_twin_of_each_block_form_computes_what_surgerys_graph_of_that_form_computes(benchmarks_path):
+    """cuda_torch.py's forms, weights read from the synthetic graph, against ORT on the original and on surgery's plain
+    and fused rewrites of the later block alone and of both: prefill logits and present, then one decode step."""
+    import cuda_torch
+    import synthetic
+    import torch
+
+    from surgery.job import rewrite
+
+    shape = {**synthetic.TINY, "dtype": "float32"}
+    model = synthetic.llama_shaped(**shape)
+    twin = cuda_torch.Twin(model, shape, "cpu")
+    ids = np.random.default_rng(1).integers(0, shape["vocab"], (2, 12))
+    checked = 0
+    for layers in ([1], [0, 1]):
+        graphs = {"original": model, "plain": rewrite(model, layers).model, "fused": rewrite(model, layers, fused=True).model}
+        for form, m in graphs.items():
+            sess = runtime.session(m, runtime.Options(device="cpu"))
+            prefill = sess.run(None, runtime.feeds(sess, ids[:, :11]))
+            decode = sess.run(None, runtime.feeds(sess, ids[:, 11:], runtime.present_as_past(sess, prefill)))
+            with torch.inference_mode():
+                logits, present = twin.forward(torch.from_numpy(ids[:, :11]), None, form, layers)
+                step, _ = twin.forward(torch.from_numpy(ids[:, 11:]), present, form, layers)
+            np.testing.assert_allclose(logits.numpy(), prefill[0], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(present[1][0].numpy(), prefill[3], rtol=1e-4, atol=1e-6)  # present.1.key
+            np.testing.assert_allclose(step.numpy(), decode[0], rtol=1e-4, atol=1e-5)
+            checked += 1
+    assert checked == 6 and [o.name for o in sess.get_outputs()][3] == "present.1.key"
+    with torch.inference_mode():  # the forms differ where they should: the parallel block is another function
+        plain, _ = twin.forward(torch.from_numpy(ids), None, "plain", [0, 1])
+        original, _ = twin.forward(torch.from_numpy(ids), None, "original", [0, 1])
+    assert (plain - original).abs().max() > 1e-3
+
+
+def test_the_torch_benchmark_smoke_run_times_each_form_at_each_block_set():
+    done = _smoke("cuda_torch.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    header, _, *rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("|")]
+    assert header[:4] == ["model", "form", "torch", "blocks"] and len(header) == 4 + 2 * 3
+    assert [tuple(r[1:4]) for r in rows] == [
+        (f, "eager", "-" if f == "original" else blocks) for blocks in ("1: 1", "2: 0-1") for f in ("original", "plain", "fused")
+    ]
+    assert all(cell.endswith(")") for r in rows for cell in r[4:])
