@@ -120,6 +120,7 @@ def main() -> None:
             log(f"{label}: loaded in {time.perf_counter() - start:.0f} s")
             for layers in sets:
                 more, first = _measure(model, label, layers, {l: fixes[l] for l in layers}, batches, args, options, Path(tmp) / name, log)
+                log(table(more, list(more[0])))  # in the log as each block set ends: a run stopped later keeps these
                 rows, timed = rows + more, timed + first
             del model
     expected = runtime.CPU if args.smoke else runtime.CUDA

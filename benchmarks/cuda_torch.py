@@ -228,8 +228,9 @@ def main() -> None:
                 log(f"{label}, blocks {blocks}: {way}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
                 with contextlib.suppress(Exception):
                     torch.cuda.empty_cache()
-            for f in forms:
-                rows.append({"model": label, "form": f, "torch": way, "blocks": "-" if f == "original" else f"{len(layers)}: {blocks}", **cells[f]})
+            more = [{"model": label, "form": f, "torch": way, "blocks": "-" if f == "original" else f"{len(layers)}: {blocks}", **cells[f]} for f in forms]
+            log(table(more, list(more[0])))  # in the log as each block set and way ends: a run stopped later keeps these
+            rows += more
     columns = ["model", "form", "torch", "blocks"] + [f"{k} b{b} ms (x)" for b in batches for k in ("prefill", "decode")]
     print(f"torch {torch.__version__}, {'CPU smoke test, not a measurement' if args.smoke else gpu_name()}, {args.repeats} interleaved repeats "
           f"(warm-up {args.warmup}), prefill batch x {args.seq_len}, decode 1 token after a cache of {args.seq_len}")

@@ -430,3 +430,26 @@ def test_the_torch_benchmark_smoke_run_times_each_form_at_each_block_set():
         (f, "eager", "-" if f == "original" else blocks) for blocks in ("1: 1", "2: 0-1") for f in ("original", "plain", "fused")
     ]
     assert all(cell.endswith(")") for r in rows for cell in r[4:])
+
+
+def test_the_ray_check_compares_every_number_of_the_report_but_the_seconds(benchmarks_path):
+    import cuda_equal
+
+    report = {"tool": {"version": 1}, "seconds": {"fit": 2.0}, "defect": {"c": [0.5, 0.25], "note": "x", "kept": True}, "mean": 3}
+    assert cuda_equal.numbers(report) == {"/defect/c/0": 0.5, "/defect/c/1": 0.25, "/mean": 3.0}
+
+
+@pytest.mark.slow
+def test_the_whole_gpu_suite_runs_on_the_cpu_in_its_smoke_mode(tmp_path):
+    """benchmarks/gpu.sh --smoke: the three steps, each a table in $OUT, the Ray actor's diagnose equal to this process's."""
+    import os
+
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{n}.{e}" for n in ("cuda", "cuda-torch", "cuda-equal") for e in ("md", "log"))
+    for name, rows in (("cuda", 2 * 2 * 5), ("cuda-torch", 2 * 3)):  # block sets x ways x graphs; block sets x forms (eager)
+        assert sum(line.startswith("| Llama-shaped") for line in (tmp_path / f"{name}.md").read_text().splitlines()) == rows
+    equal = (tmp_path / "cuda-equal.md").read_text()
+    (ray_row,) = [line.split("|")[1:-1] for line in equal.splitlines() if "Ray actor" in line]
+    assert int(ray_row[1]) > 100 and float(ray_row[2]) <= 1e-4 and "\nequal:" in equal
