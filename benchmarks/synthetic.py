@@ -124,7 +124,7 @@ def llama_shaped(d_model, n_layers, n_heads, n_kv_heads, d_mlp, vocab, max_posit
     graph_output(logits, "logits", fx, ["batch", "sequence_length", vocab])
     outputs.insert(0, outputs.pop())
     g = ir.Graph(inputs, outputs, nodes=nodes, initializers=inits, opset_imports={"": 18}, name="llama_shaped")
-    return ir.Model(g, ir_version=9, producer_name="benchmarks/cuda.py")
+    return ir.Model(g, ir_version=9, producer_name="benchmarks/synthetic.py")
 
 
 def written(folder: Path, shape: dict) -> Path:
