@@ -61,10 +61,10 @@ from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
+from surgery.progress import Count
 from surgery.subject import Subject
 
 REQUANTIZE = ("gptq", "nearest")  # how a fix folded into MatMulNBits weights chooses their codes (surgery.nbits)
-Progress = Callable[[int, int], None]
 Sums = dict[int, NormalEquations | InputEquations]  # one pass's sums, by layer
 
 
@@ -211,7 +211,7 @@ class _Runner:
     pool: cluster.Pool
     options: runtime.Options
     clock: dict[str, float]
-    progress: Progress | None
+    progress: Count | None
     total: int
     work: Checkpoints
     done: int = 0
@@ -284,7 +284,7 @@ def fit(
     memory_bytes: int = memory.MEMORY_BYTES,
     options: runtime.Options = runtime.Options(),
     pool: cluster.Pool | None = None,
-    progress: Progress | None = None,
+    progress: Count | None = None,
     seconds: dict[str, float] | None = None,
     requantize: str = "gptq",
     input_side: bool = True,

@@ -15,13 +15,13 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from surgery import graph, quality, runtime
 from surgery.data import Windows
 from surgery.errors import SurgeryError
+from surgery.progress import Step, Tell, counter, silent
 from surgery.report import with_interval
 from surgery.timing import Latency, check_seq_len, latency
 
 TARGETS, NLL = "surgery_targets", "surgery_nll"
 LOGPROBS, TOP1 = "surgery_logprobs", "surgery_top1"  # every scoring graph's next-token distribution and its argmax
 REFERENCE, KL = "surgery_reference", "surgery_kl"  # a comparing graph's input (the first model's log-probs) and KL_t
-Progress = Callable[[int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +234,7 @@ class Scorer:
         *,
         batch_size: int = 1,
         extra: dict[str, np.ndarray] | None = None,
-        progress: Progress | None = None,
+        progress: Step | None = None,
         kept: dict[str, np.ndarray] | None = None,
         reference: Sequence[Reference] | None = None,
         record: list[Reference] | None = None,
@@ -283,7 +283,7 @@ def perplexity(
     *,
     batch_size: int = 1,
     options: runtime.Options = runtime.Options(),
-    progress: Progress | None = None,
+    progress: Step | None = None,
 ) -> Perplexity:
     """Token-weighted mean NLL (nats) of `windows` under `model`, computed by ONNX Runtime."""
     return Scorer(model, options)(windows, batch_size=batch_size, progress=progress)
@@ -312,27 +312,15 @@ def compare(
     return [joined(p) for p in parts]
 
 
-def counter(tell: Callable[[str, int, int], None], stage: str, total: int) -> Callable[[int], None]:
-    """Turn tell(stage, done, total) into step(n), which counts n more done."""
-    done = 0
-
-    def step(n: int) -> None:
-        nonlocal done
-        done += n
-        tell(stage, done, total)
-
-    return step
-
-
 def side_by_side(models: Sequence, names: Sequence[str], *, corpus=None, seq_len: int = 256, stride: int | None = None,
                  max_windows: int | None = None, part: str = "evaluation", tokenizer=None, batch_size: int = 1,
                  measure_latency: bool = True, latency_batch: int = 1, repeats: int = 20, warmup: int = 3,
-                 options: runtime.Options = runtime.Options(), progress=None) -> tuple[Windows, list[dict]]:
+                 options: runtime.Options = runtime.Options(), progress: Tell | None = None) -> tuple[Windows, list[dict]]:
     """What `surgery evaluate` measures: the models scored on the corpus's windows (`compare`), then their latency with the repeats interleaved; the windows and
     one row per model (`rows`). progress(stage, done, total), one stage per model's perplexity and one for the latency."""
     from surgery import data
 
-    tell = progress or (lambda stage, done, total: None)
+    tell = progress or silent
     for model in models:
         graph.resolve(model)  # every path checked before minutes of work
     check_seq_len(models[0], seq_len, decode=measure_latency)

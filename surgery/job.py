@@ -17,8 +17,9 @@ from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.passes import Fix, compensate, fuse, parallelize
 from surgery.passes.fuse import refusal as fuse_refusal
+from surgery.progress import Tell, counter, silent
 from surgery.report import selection_picture
-from surgery.select import Fit, Progress, Selection, select_layers
+from surgery.select import Fit, Selection, select_layers
 from surgery.subject import Subject
 
 
@@ -93,7 +94,7 @@ def auto(
     repeats: int = 20,
     tokenizer: str | Path | None = None,
     options: runtime.Options = runtime.Options(),
-    progress: Progress | None = None,
+    progress: Tell | None = None,
     workers: int | None = None,
     ray: str | None = None,
     checkpoints: bool = True,
@@ -131,7 +132,7 @@ def auto(
         SurgeryError: `out` overwrites the input or cannot be written, a block cannot be fused (with `fused`; before any work), too small a corpus, or
             what select_layers refuses, or a work folder of another run (without `restart`).
     """
-    tell = progress or (lambda stage, done, total: None)
+    tell = progress or silent
     subject = Subject(graph.load(model_path), str(model_path))  # read once: the selection, the rewrite and the measurements take it
     graph.check_output(out, model_path, subject.model)
     model, blocks = subject.model, subject.blocks
@@ -168,13 +169,13 @@ def _write(outcome: Outcome, rewritten: ir.Model, out, model_path) -> Path:
     return graph.write(rewritten, out, like=model_path, extra=extra)
 
 
-def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options: runtime.Options, tell: Progress, work: Checkpoints
+def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options: runtime.Options, tell: Tell, work: Checkpoints
                 ) -> tuple[evaluate.Perplexity, evaluate.Perplexity, dict[str, float]]:
     """The original's and the rewritten model's scores on the evaluation windows (a checkpoint unit), and the seconds
     they took. Sessions of models in memory hand their weights to ORT without serializing them (runtime.session)."""
     start = time.perf_counter()
     if (scored := work.load("evaluation")) is None:
-        step = evaluate.counter(tell, "evaluation windows", 2 * len(ev))
+        step = counter(tell, "evaluation windows", 2 * len(ev))
         scored = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
         work.save("evaluation", scored)
     return *scored, {"evaluation": time.perf_counter() - start}
@@ -198,11 +199,11 @@ def _check_fusable(model: ir.Model, blocks: list[BlockMap]) -> None:
 
 
 def _latency(model: ir.Model, rewritten: ir.Model, *, seq_len: int, repeats: int, options: runtime.Options,
-             tell: Progress) -> tuple[float, float | None, dict]:
+             tell: Tell) -> tuple[float, float | None, dict]:
     """Prefill and decode speed-ups (original / rewritten; decode None when either has no decode time) from one
     interleaved run of both, and the run's timings."""
     timed = timing.latency([model, rewritten], seq_len=seq_len, repeats=repeats, options=options,
-                             progress=evaluate.counter(tell, "latency (interleaved)", repeats))
+                             progress=counter(tell, "latency (interleaved)", repeats))
     prefill = timed[0].prefill_ms / timed[1].prefill_ms
     decode = timed[0].decode_ms / timed[1].decode_ms if timed[0].decode_ms and timed[1].decode_ms else None
     return prefill, decode, {"original": dataclasses.asdict(timed[0]), "rewritten": dataclasses.asdict(timed[1])}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from typing import Literal, get_args
 
 import onnx_ir as ir
@@ -40,6 +39,7 @@ from surgery.errors import SurgeryError
 from surgery.evaluate import Delta
 from surgery.memory import memory_bound
 from surgery.passes import Fix
+from surgery.progress import Tell, silent
 from surgery.subject import Subject
 from surgery.trials import Trials
 
@@ -49,7 +49,6 @@ SCORES: tuple[Score, ...] = get_args(Score)
 FITS: tuple[Fit, ...] = get_args(Fit)
 FORMS: tuple[Form, ...] = get_args(Form)
 PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
-Progress = Callable[[str, int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +264,7 @@ def select_layers(
     try_both: bool = False,
     refit: bool = False,
     options: runtime.Options = runtime.Options(),
-    progress: Progress | None = None,
+    progress: Tell | None = None,
     pool: cluster.Pool = cluster.Pool(),
     fit_memory: int | str | None = None,
     requantize: str = "gptq",
@@ -307,7 +306,7 @@ def select_layers(
             `compensation.fit` refuses.
     """
     score = _score(score, fit, fit_windows)
-    tell, work = progress or (lambda stage, done, total: None), work or Checkpoints.off()
+    tell, work = progress or silent, work or Checkpoints.off()
     model = Subject.of(model)  # read once: the fit, the trials and the refit take it
     seconds, fit_seconds = {}, {}  # each step's wall time; where the fit's went (forward, accumulate, solve)
     memory = memory_bound(fit_memory) if fit is not None else None
@@ -348,7 +347,7 @@ def _score(score: Score | None, fit: Fit | None, fit_windows: Windows | None) ->
 
 def _fit(model: ir.Model, n: int, windows: Windows, fit_windows: Windows | None, fit: Fit | None, *, options: runtime.Options,
          pool: cluster.Pool, memory: int | None, requantize: str, input_side: bool, seconds: dict[str, float],
-         tell: Progress, work: Checkpoints) -> tuple[dict[int, FitResult], int, dict[str, list[float | None]]]:
+         tell: Tell, work: Checkpoints) -> tuple[dict[int, FitResult], int, dict[str, list[float | None]]]:
     """Every sequential block's fix, fitted in one pass over the fit windows (none without `fit`), the fit passes made, and
     each score per layer (c, c_stream, alpha, c_comp; None where a block is not sequential or c_comp where it has no fix).
     Without a fit the scores come from one pass over the selection windows."""
@@ -380,7 +379,7 @@ def _candidates(blocks: list[BlockMap], stats: dict[str, list[float | None]], sc
 
 
 def _greedy(runs: Trials, candidates: list[int], rank: list[float | None], fits: dict[int, FitResult], budget: Budget, *,
-            max_layers: int | None, patience: int | None, try_both: bool, tell: Progress) -> _Chosen:
+            max_layers: int | None, patience: int | None, try_both: bool, tell: Tell) -> _Chosen:
     """Add the candidates in order, each in the first form to try (try_both: the cheapest form) whose trial of the whole
     chosen set stays within the budget; stop at max_layers, or after `patience` misses in a row."""
     chosen: dict[int, Form] = {}
@@ -423,7 +422,7 @@ def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[Form
 
 def _refit(model: ir.Model, fit_windows: Windows, windows: Windows, chosen: _Chosen, fits: dict[int, FitResult], runs: Trials,
            budget: Budget, *, fit: Fit, options: runtime.Options, memory: int, pool: cluster.Pool, requantize: str,
-           seconds: dict[str, float], tell: Progress, work: Checkpoints) -> _Refit:
+           seconds: dict[str, float], tell: Tell, work: Checkpoints) -> _Refit:
     """The chosen compensated blocks' fixes fitted again with every chosen block in place, and the chosen set's cost
     with them on the selection windows (the baseline run of `runs` reused); kept if that costs less."""
     compensated = {l for l, f in chosen.forms.items() if f == "compensated"}

@@ -14,8 +14,7 @@ import onnx_ir as ir
 
 from surgery import config, graph, runtime
 from surgery.errors import SurgeryError
-
-Progress = Callable[[int], None]
+from surgery.progress import Step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +43,7 @@ def latency(
     seed: int = 0,
     bind: bool | None = None,
     graphs: bool | None = None,
-    progress: Progress | None = None,
+    progress: Step | None = None,
 ) -> list[Latency]:
     """Prefill and decode wall times of each model, with the repeats of all models interleaved.
 
@@ -82,7 +81,7 @@ def latency(
     return results
 
 
-def interleaved(runs: Sequence[Sequence[Callable[[], None] | None]], repeats: int, progress: Progress | None = None) -> list[list[list[float]]]:
+def interleaved(runs: Sequence[Sequence[Callable[[], None] | None]], repeats: int, progress: Step | None = None) -> list[list[list[float]]]:
     """Wall times in ms, [kind][i][repeat], of runs[kind][i] (None: not run, no times). Each repeat runs every run of each
     kind in turn, kind after kind, starting from a different i each time, so drift on the machine falls on all alike."""
     times: list[list[list[float]]] = [[[] for _ in kind] for kind in runs]

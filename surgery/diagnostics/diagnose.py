@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ import numpy as np
 from surgery import __version__, cluster, compensation, data, evaluate, graph, memory, runtime
 from surgery.analysis import field, probe, resumable, switchboard
 from surgery.analysis.switchboard import Switch
+from surgery.checkpoint import Checkpoints, digest, model_digest, reached
 from surgery.defect import DefectStats
 from surgery.diagnostics import critical as crit
 from surgery.diagnostics import prefix, stats
@@ -36,11 +36,11 @@ from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.sections import deficit, diversity
 from surgery.equations import fixes as fixes_of
-from surgery.checkpoint import Checkpoints, digest, model_digest, reached
 from surgery.errors import SurgeryError
 from surgery.facts import embedding_table
 from surgery.passes import Ablation, Compensation
 from surgery.passes.common import narrower_than_float32
+from surgery.progress import Tell, silent
 from surgery.subject import Subject
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
@@ -64,7 +64,6 @@ def ablation_kind(branch: str, mode: str, keep_sink: bool = False) -> Switch:
 
 
 CHUNK = 8  # single-layer loss runs of a window per job (a job is a few seconds of SmolLM2)
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +151,7 @@ def _diagnose(
     critical_seeds: int = 4,
     tokenizer: str | Path | None = None,
     options: runtime.Options = runtime.Options(),
-    progress: Progress | None = None,
+    progress: Tell | None = None,
     seed: int = 0,
     pool: cluster.Pool = cluster.Pool(),
     checkpoints: str | Path | None = None,
@@ -163,7 +162,7 @@ def _diagnose(
     unknown = set(only) - set(SECTIONS)
     if unknown:
         raise SurgeryError(f"unknown diagnostic {', '.join(sorted(unknown))}; choose from {','.join(SECTIONS)}")
-    tell = progress or (lambda stage, done, total: None)
+    tell = progress or silent
     model = Subject.load(model_path)  # read once: every step below takes it
     blocks = model.blocks
     if any(b.fused for b in blocks):
