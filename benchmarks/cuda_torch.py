@@ -26,10 +26,10 @@ eager and replayed from a torch.cuda.CUDAGraph captured once. One table of media
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -132,19 +132,14 @@ class Twin:
         return self.rms(x, self.w["ln_f.0"]) @ self.w["lm_head"], presents
 
 
-class Runs:
-    """One form's prefill and decode, eager or replayed from CUDA graphs captured once, on static inputs."""
-
-    def __init__(self, twin: Twin, form: str, layers, ids, next_ids, replay: bool):
-        self.calls = {}
-        with torch.inference_mode():
-            _, past = twin.forward(ids, None, form, layers)  # the decode's cache: this form's own present
-        steps = {"prefill": lambda: twin.forward(ids, None, form, layers), "decode": lambda: twin.forward(next_ids, past, form, layers)}
-        for kind, step in steps.items():
-            self.calls[kind] = _captured(step) if replay else _eager(step)
-
-    def __call__(self, kind: str):
-        return self.calls[kind]
+def runs(twin: Twin, form: str, layers, ids, next_ids, replay: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One form's prefill and decode on static inputs, eager or replayed from CUDA graphs captured once; the decode's
+    cache is this form's own present."""
+    with torch.inference_mode():
+        _, past = twin.forward(ids, None, form, layers)
+    steps = (lambda: twin.forward(ids, None, form, layers), lambda: twin.forward(next_ids, past, form, layers))
+    prefill, decode = (_captured(step) if replay else _eager(step) for step in steps)
+    return prefill, decode
 
 
 def _eager(step):
@@ -215,18 +210,26 @@ def main() -> None:
                 start = time.perf_counter()
                 ids = torch.from_numpy(rng.integers(0, shape["vocab"], (batch, args.seq_len))).to(device)
                 next_ids = torch.from_numpy(rng.integers(0, shape["vocab"], (batch, 1))).to(device)
-                runs = [Runs(twin, f, layers, ids, next_ids, replay=way != "eager") for f in forms]
-                for run in runs:
-                    for _ in range(args.warmup):
-                        run("prefill")(), run("decode")()
-                times = timing.interleaved([[r("prefill") for r in runs], [r("decode") for r in runs]], args.repeats)
-                for kind, per_form in zip(("prefill", "decode"), times):
-                    base = np.median(per_form[0])
-                    for f, t in zip(forms, per_form):
-                        cells[f][f"{kind} b{batch} ms (x)"] = f"{np.median(t):.3f} [{np.percentile(t, 90):.3f}] ({base / np.median(t):.3f})"
-                del runs
+                made, failed = [], {}
+                for f in forms:
+                    try:
+                        made.append(runs(twin, f, layers, ids, next_ids, replay=way != "eager"))
+                    except Exception as e:  # noqa: BLE001 - a form torch cannot capture is a finding: its cells say why
+                        made.append((None, None))
+                        failed[f] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:100] if str(e).strip() else ''}"
+                        log(f"{label}, blocks {blocks}: {way}: {f}: {failed[f]}")
+                prefills, decodes = zip(*made, strict=True)
+                for run in prefills + decodes:
+                    for _ in range(args.warmup if run else 0):
+                        run()
+                times = timing.interleaved([prefills, decodes], args.repeats)
+                for kind, per_form in zip(("prefill", "decode"), times, strict=True):
+                    base = np.median(per_form[0]) if per_form[0] else np.nan
+                    for f, t in zip(forms, per_form, strict=True):
+                        cells[f][f"{kind} b{batch} ms (x)"] = failed.get(f) or f"{np.median(t):.3f} [{np.percentile(t, 90):.3f}] ({base / np.median(t):.3f})"
+                del made, prefills, decodes  # their CUDA graphs' memory pools
                 log(f"{label}, blocks {blocks}: {way}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
-                with contextlib.suppress(Exception):
+                if device == "cuda":
                     torch.cuda.empty_cache()
             more = [{"model": label, "form": f, "torch": way, "blocks": "-" if f == "original" else f"{len(layers)}: {blocks}", **cells[f]} for f in forms]
             log(table(more, list(more[0])))  # in the log as each block set and way ends: a run stopped later keeps these
