@@ -139,13 +139,12 @@ def main() -> None:
 def _measure(model, label, layers, fixes, batches, args, options, tmp: Path, log) -> tuple[list[dict], list[timing.Latency]]:
     """One block set: its graphs' sessions, timed interleaved at each batch, first as ORT runs them, then (--cuda-graphs)
     captured as CUDA graphs and replayed; one row per graph and way, and each graph's ORT Latency at the first batch."""
-    start = time.perf_counter()
     graphs = variants(model, layers, fixes)
     tmp.mkdir(exist_ok=True)
     blocks = format_layers(layers)
     rows, first = [], []
     for way in WAYS[: 2 if args.cuda_graphs else 1]:
-        captured = way != "ORT"
+        start, captured = time.perf_counter(), way != "ORT"
         if captured:  # the same graphs, each session asking ORT to capture its runs (it refuses one with a node off CUDA)
             sessions, refused = {}, {}
             for g, m in graphs.items():
@@ -161,11 +160,16 @@ def _measure(model, label, layers, fixes, batches, args, options, tmp: Path, log
             sessions, refused = {g: runtime.session(m, dataclasses.replace(options, profile=str(tmp / f"{len(layers)}-{g.replace(' ', '-')}")))
                                  for g, m in graphs.items()}, {}
         log(f"{label}, blocks {blocks}: {way}: {len(sessions)} sessions in {time.perf_counter() - start:.0f} s")
-        timed = {}
+        timed: dict[int, list[timing.Latency] | str] = {}  # by batch: the sessions' Latency, or why the captured runs failed
         for batch in batches:
             start = time.perf_counter()
-            timed[batch] = timing.latency(list(sessions.values()), batch=batch, seq_len=args.seq_len, repeats=args.repeats,
-                                          warmup=args.warmup, bind=True, graphs=captured)
+            try:
+                timed[batch] = timing.latency(list(sessions.values()), batch=batch, seq_len=args.seq_len, repeats=args.repeats,
+                                              warmup=args.warmup, bind=True, graphs=captured)
+            except Exception as e:  # noqa: BLE001 - a capture ORT cannot replay is a finding; as ORT runs them, any error stops the run
+                if not captured:
+                    raise
+                timed[batch] = f"failed: {str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__}"
             log(f"{label}, blocks {blocks}: {way}: batch {batch} timed in {time.perf_counter() - start:.0f} s")
         names = list(sessions)
         for g in graphs:
@@ -176,6 +180,9 @@ def _measure(model, label, layers, fixes, batches, args, options, tmp: Path, log
             i = names.index(g)
             row["placement"] = ("CUDA graph" if options.device == "cuda" else "CPU, fixed buffers") if captured else str(timed[batches[0]][i].placement)
             for batch in batches:
+                if isinstance(timed[batch], str):
+                    row[f"prefill b{batch} ms (x)"] = row[f"decode b{batch} ms (x)"] = timed[batch]
+                    continue
                 base, r = timed[batch][0], timed[batch][i]
                 row[f"prefill b{batch} ms (x)"] = f"{r.prefill_ms:.2f} [{r.prefill_p90_ms:.2f}] ({base.prefill_ms / r.prefill_ms:.3f})"
                 row[f"decode b{batch} ms (x)"] = f"{r.decode_ms:.3f} [{r.decode_p90_ms:.3f}] ({base.decode_ms / r.decode_ms:.3f})"
