@@ -18,6 +18,13 @@ if [ "${1:-}" = "--smoke" ]; then
   smoke=(--smoke)
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
+  # the CUDA 13 libraries onnxruntime-gpu loads (cuBLAS, cuDNN, ...) are the image's nvidia pip packages, beside its
+  # PyTorch: on the loader's path, as the carried onnxruntime in /tmp/site does not look there
+  nvidia_libs=$(python3 -c 'import glob, importlib.util, os
+spec = importlib.util.find_spec("nvidia")
+roots = list(spec.submodule_search_locations) if spec else []
+print(":".join(sorted({os.path.dirname(p) for r in roots for p in glob.glob(os.path.join(r, "**", "lib*.so*"), recursive=True)})))')
+  export LD_LIBRARY_PATH=$nvidia_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   bash benchmarks/gpu-install.sh > "$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
   cat "$out/install.log"
   export PYTHONPATH=/tmp/site:$PWD
