@@ -395,7 +395,7 @@ class Prepared:
         if graph is not None:
             self.run_options = _graph_id(-1)  # this run outside any graph: the outputs' shapes
             self()
-            self._fixed = [(v.shape(), v.data_type()) for v in self.binding.get_outputs()]
+            self._fixed = [(v.shape(), v.element_type()) for v in self.binding.get_outputs()]  # ONNX type ints: bfloat16 too
             self._outputs = self.binding.get_outputs()  # the first run's, until the next call
             self._bind_outputs()
             self.run_options = _graph_id(graph)
@@ -406,8 +406,8 @@ class Prepared:
             for out in self.sess.get_outputs():
                 self.binding.bind_output(out.name, self.device, 0)
             return
-        for out, (shape, type_name) in zip(self.sess.get_outputs(), self._fixed):
-            buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY[type_name], self.device, 0)
+        for out, (shape, element_type) in zip(self.sess.get_outputs(), self._fixed, strict=True):
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, element_type, self.device, 0)
             self.binding.bind_ortvalue_output(out.name, buffer)
 
     def __call__(self) -> None:
@@ -437,10 +437,6 @@ def _graph_id(graph: int) -> ort.RunOptions:
     options = ort.RunOptions()
     options.add_run_config_entry("gpu_graph_id", str(graph))
     return options
-
-
-_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(int64)": np.int64,
-          "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
 
 
 def decode_inputs(prefill: Prepared, next_ids: np.ndarray) -> dict[str, Feed]:
