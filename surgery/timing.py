@@ -56,7 +56,8 @@ def latency(
     """
     with tempfile.TemporaryDirectory() as tmp:
         sessions = [
-            m if isinstance(m, runtime.Session) else runtime.session(m, dataclasses.replace(options, profile=str(Path(tmp) / f"{i}")))
+            m if isinstance(m, runtime.Session)  # a session capturing CUDA graphs is not profiled as well: no placement
+            else runtime.session(m, dataclasses.replace(options, profile=None if options.cuda_graph else str(Path(tmp) / f"{i}")))
             for i, m in enumerate(models)
         ]
         replay = [runtime.captures_graphs(s) if graphs is None else graphs for s in sessions]
