@@ -25,6 +25,7 @@ from common import ROOT, table
 
 from surgery import data, evaluate, graph, runtime
 from surgery.blocks import find_blocks
+from surgery.facts import embedding_table
 from surgery.job import rewrite
 
 FIXTURES = ("tiny-llama", "tiny-gpt2")
@@ -39,7 +40,7 @@ def scores(models: list, windows: data.Windows, device: str) -> dict[str, float]
 
 
 def random_windows(model, n: int = 16, seq_len: int = 32, seed: int = 0) -> data.Windows:
-    vocab = runtime.vocab_size(runtime.session(model, runtime.Options(device="cpu")))
+    vocab, _ = embedding_table(model)  # read from the graph: no session for it
     ids = np.random.default_rng(seed).integers(0, vocab, (n, seq_len), dtype=np.int64)
     return data.Windows(ids, np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * seq_len, "random ids")
 

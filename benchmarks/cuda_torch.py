@@ -84,11 +84,11 @@ class Twin:
         mixed = F.scaled_dot_product_attention(q, k, v, is_causal=past is None, enable_gqa=True)
         return mixed.transpose(1, 2).reshape(b, s, -1), (k, v)
 
-    def branches(self, l, a, m, past, positions):
-        """The attention branch on a (normalised), the mlp's on m: A, M and the present."""
+    def attn(self, l, a, past, positions):
+        """The attention branch on a (normalised): its output and the present."""
         w = self.w
         mixed, present = self.attention(a @ w[f"q.{l}"], a @ w[f"k.{l}"], a @ w[f"v.{l}"], past, positions)
-        return mixed @ w[f"o.{l}"], m, present
+        return mixed @ w[f"o.{l}"], present
 
     def mlp(self, l, m):
         w = self.w
@@ -97,18 +97,18 @@ class Twin:
     def block(self, l, x, past, positions, form):
         w = self.w
         if form == "original":
-            attn, _, present = self.branches(l, self.rms(x, w[f"ln1.{l}"]), None, past, positions)
+            attn, present = self.attn(l, self.rms(x, w[f"ln1.{l}"]), past, positions)
             h = x + attn
             return h + self.mlp(l, self.rms(h, w[f"ln2.{l}"])), present
         if form == "plain":
-            attn, _, present = self.branches(l, self.rms(x, w[f"ln1.{l}"]), None, past, positions)
+            attn, present = self.attn(l, self.rms(x, w[f"ln1.{l}"]), past, positions)
             return x + attn + self.mlp(l, self.rms(x, w[f"ln2.{l}"])), present
         if form == "two streams":
             main = torch.cuda.current_stream()
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
                 mlp = self.mlp(l, self.rms(x, w[f"ln2.{l}"]))
-            attn, _, present = self.branches(l, self.rms(x, w[f"ln1.{l}"]), None, past, positions)
+            attn, present = self.attn(l, self.rms(x, w[f"ln1.{l}"]), past, positions)
             main.wait_stream(self.side)
             if not torch.cuda.is_current_stream_capturing():  # a captured graph's pool keeps its own tensors
                 mlp.record_stream(main)
