@@ -15,7 +15,7 @@ RUN is the output folder of `surgery parallelize` (its selection.json) or of `su
 with the `/usr/bin/time -v` log of the command beside it as RUN.time (wall time and peak RSS); SHAPE is a name
 in SHAPES (synthetic-2048 is graphs/big_decoder.py's) and LAYERS its number of blocks.
 
-The model counts what the code does (surgery/compensation.py, select.py, trials.py, diagnostics/diagnose.py):
+The model counts what the code does (surgery/compensation/fitting.py, select.py, trials.py, diagnostics/diagnose.py):
 - fit: each pass runs only its own blocks (from the stream the pass before handed on), so the forward passes of
   all passes together are one pass of every block, each block's mlp twice (the twin), no head, over the fit
   windows; per window and block the float32 products Z'Z (k = 2 d + 1: syrk, n k^2) and Z'delta (2 n k d) are
@@ -156,8 +156,9 @@ class Rates:
     @classmethod
     def measure(cls, s: Shape, scratch: Path) -> Rates:
         from graphs import big_decoder
-        from surgery import graph, runtime
-        from surgery.equations import NormalEquations
+        from surgery.compensation.equations import NormalEquations
+        from surgery.files import graph
+        from surgery.measure import runtime
 
         rng = np.random.default_rng(0)
         t = 256
@@ -169,11 +170,14 @@ class Rates:
         setup = (time.perf_counter() - start) / (4 * s.block_params())
         feed = runtime.feeds(sess, rng.integers(0, 512, (1, t)))
         block = _seconds(lambda: sess.run(["logits"], feed), 5)
-        from surgery.diagnostics import diagnose
+        from surgery.diagnostics import DiagnoseSettings, diagnose
+        from surgery.measure.cluster import Resources
+        from surgery.measure.data import DataSettings
 
         # diagnose's own probe, loss runs and prefix sensitivity on the one-block decoder (its head: 512 tokens, negligible)
         n_cal, n_eval, only = 3, 2, ("deficit", "diversity", "defect", "gate", "ablation", "prefix")
-        report = diagnose(folder, seq_len=t, windows=n_cal, eval_windows=n_eval, only=only, options=runtime.analysis(runtime.Options())).to_json()
+        settings = DiagnoseSettings(DataSettings(seq_len=t), windows=n_cal, eval_windows=n_eval, only=only)
+        report = diagnose(folder, settings, Resources(runtime.analysis(runtime.Options()))).to_json()
         probe = (report["seconds"]["probe"] - report["seconds"]["probe_setup"]) / n_cal  # diagnose's probe of one window, one block
         loss = report["seconds"]["losses"] / (n_eval * _loss_blocks(1))
         prefix = report["seconds"]["prefix"] / (n_cal * _prefix_runs(t))
@@ -221,7 +225,7 @@ def _head(rng, d: int, t: int) -> float:
     import onnx_ir as ir
     from onnx import TensorProto, helper, numpy_helper
 
-    from surgery import evaluate, runtime
+    from surgery.measure import evaluate, runtime
 
     w = numpy_helper.from_array(rng.standard_normal((d, HEAD_SLICE)).astype(np.float32) / d**0.5, "w")
     g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"])], "head",
@@ -252,9 +256,9 @@ def _update(model, rng, t: int, windows: int = 8) -> float:
     options: ORT's threads idle between runs), on a one-block model: the marginal cost of a window, from a run
     of one window and a run of 1 + `windows` (the first window of a run also allocates and first touches the
     sums, which a fit over tens of windows pays once per layer)."""
-    from surgery import runtime
     from surgery.analysis.fit_graph import fit_graph, switched
-    from surgery.compensation import Accumulator
+    from surgery.compensation.fitting import Accumulator
+    from surgery.measure import runtime
 
     accumulator = Accumulator(fit_graph(model), runtime.Options(spinning=False))
     switches = switched(1)
@@ -267,13 +271,13 @@ def _update(model, rng, t: int, windows: int = 8) -> float:
 def _trial(model, rng, t: int) -> float:
     """Seconds per window of a selection trial's run of one block: the switchboard of the one-block model with a
     compensation fix, scored against a reference in batches of trials.BATCH windows, the block switched on."""
-    from surgery import evaluate, runtime
     from surgery.analysis import switchboard as board_graph
     from surgery.analysis.fit_graph import kinds, switched
-    from surgery.data import Windows
-    from surgery.facts import embedding_table
+    from surgery.jobs.trials import BATCH
+    from surgery.measure import evaluate, runtime
+    from surgery.measure.data import Windows
+    from surgery.model.embedding import embedding_table
     from surgery.passes import Fix
-    from surgery.trials import BATCH
 
     d = embedding_table(model)[1]
     fix = Fix(w_a=0.01 * rng.standard_normal((d, d)), w_p=0.01 * rng.standard_normal((d, d)), b=np.zeros(d))
@@ -288,7 +292,8 @@ def _trial(model, rng, t: int) -> float:
 _COPIES = """
 import sys
 import numpy as np
-from surgery import graph, runtime
+from surgery.files import graph
+from surgery.measure import runtime
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 start = rss()
@@ -431,7 +436,7 @@ def diagnose(s: Shape, job: Job, r: Rates, device: dict | None = None) -> dict:
 
 
 def _fit_memory() -> int:
-    from surgery.memory import memory_bound
+    from surgery.compensation.memory import memory_bound
 
     return memory_bound("auto")
 

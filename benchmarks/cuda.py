@@ -1,5 +1,5 @@
 """Latency on an NVIDIA GPU: original / plain / fused / compensated / fused compensated graphs of a synthetic
-Llama-shaped model (benchmarks/synthetic.py: Llama-3.2-1B's shape, or Llama-3-8B's) in float16, and of SmolLM2-135M
+Llama-shaped model (benchmarks/common.py: Llama-3.2-1B's shape, or Llama-3-8B's) in float16, and of SmolLM2-135M
 where its export is at hand; prefill (batch x 512) and decode (1 token after a cache of 512) at batch 1, 8 and 32, IO
 binding, repeats interleaved across the graphs of one block set, as ORT runs each node and captured as CUDA graphs and
 replayed; one table of ratios with their spread.
@@ -39,13 +39,13 @@ from pathlib import Path
 
 import onnx_ir as ir
 import onnxruntime as ort
-from common import ROOT, gpu_name, smollm2, table
-from synthetic import SHAPES, TINY, block_sets, random_fixes, written
+from common import ROOT, SHAPES, TINY, block_sets, gpu_name, random_fixes, smollm2, table, written
 
-from surgery import graph, runtime, timing
-from surgery.blocks import find_blocks
-from surgery.job import rewrite
-from surgery.layers import format_layers, parse_layers
+from surgery.files import graph
+from surgery.jobs.job import rewrite
+from surgery.measure import runtime, timing
+from surgery.model.blocks import find_blocks
+from surgery.model.layers import format_layers, parse_layers
 
 SMOLLM2_LAYERS = "4,6-8,15,22-23,25,28-29"  # what `surgery parallelize out/smollm2` chose before issue 18's KL budget
 WAYS = ("ORT", "ORT + CUDA graphs")  # as ORT runs each node, and captured once as a CUDA graph and replayed
@@ -104,9 +104,12 @@ def main() -> None:
                 folder = ROOT / "graphs" / "tiny-llama" if args.smoke else smollm2()
                 model = graph.load(folder)
                 sets = [parse_layers(args.smollm2_layers if not args.smoke else "all", len(find_blocks(model)))]
-                from surgery.job import fit_fixes  # reads the corpus: tokenizers
+                from surgery.compensation.fitting import FitSettings
+                from surgery.jobs.job import fit_fixes  # reads the corpus: tokenizers
+                from surgery.measure.data import DataSettings
+                from surgery.model.subject import Subject
 
-                fixes = fit_fixes(model, folder, sets[0], seq_len=fit_len, fit_windows=args.fit_windows, options=options)
+                fixes = fit_fixes(Subject(model, str(folder)), sets[0], FitSettings(windows=args.fit_windows), DataSettings(seq_len=fit_len), options)
                 label = f"{'tiny-llama (smoke)' if args.smoke else 'SmolLM2-135M'} (its export's type)"
             elif name == "synthetic":
                 shape = {**(TINY if args.smoke else SHAPES[args.shape]), "dtype": args.dtype}

@@ -4,7 +4,7 @@
     python benchmarks/cuda_equal.py --smoke    # CPU against CPU: checks the script, compares nothing
 
 The committed tiny fixtures (float32: graphs/tiny-llama, graphs/tiny-gpt2), each against its plain parallel rewrite
-of every block, scored by surgery.evaluate.compare on 16 windows of 32 random token ids (no tokenizer: the GPU
+of every block, scored by surgery.measure.evaluate.compare on 16 windows of 32 random token ids (no tokenizer: the GPU
 machine has none) on the CPU and on CUDA. One row per fixture: the original's loss, the rewrite's loss, KL and top-1
 on each device and the largest difference; exits 1 when a difference passes --tolerance (1e-4), or KL's relative
 difference passes 1e-3 (the fixtures' KL is small, so 1e-4 alone would say little about it).
@@ -23,10 +23,11 @@ import sys
 import numpy as np
 from common import ROOT, table
 
-from surgery import data, evaluate, graph, runtime
-from surgery.blocks import find_blocks
-from surgery.facts import embedding_table
-from surgery.job import rewrite
+from surgery.files import graph
+from surgery.jobs.job import rewrite
+from surgery.measure import data, evaluate, runtime
+from surgery.model.blocks import find_blocks
+from surgery.model.embedding import embedding_table
 
 FIXTURES = ("tiny-llama", "tiny-gpt2")
 KL_RELATIVE = 1e-3
@@ -56,10 +57,13 @@ def numbers(report, path: str = "") -> dict[str, float]:
 
 def ray_check(device: str, tolerance: float) -> tuple[dict, bool]:
     """diagnose on one Ray actor (with a GPU on cuda) against diagnose in this process: one row and whether they agree."""
-    from surgery.diagnostics import diagnose
+    from surgery.diagnostics import DiagnoseSettings, diagnose
+    from surgery.measure.cluster import Resources
+    from surgery.measure.data import DataSettings
 
-    runs = [numbers(diagnose(ROOT / "graphs" / "tiny-llama", only=("deficit", "defect", "ablation"), windows=2, eval_windows=2, seq_len=32,
-                             workers=workers, options=runtime.Options(device=device)).to_json()) for workers in (None, 1)]
+    settings = DiagnoseSettings(DataSettings(seq_len=32), windows=2, eval_windows=2, only=("deficit", "defect", "ablation"))
+    runs = [numbers(diagnose(ROOT / "graphs" / "tiny-llama", settings, Resources(runtime.Options(device=device), workers)).to_json())
+            for workers in (None, 1)]
     here, actor = runs
     if set(here) != set(actor) or not here:
         return {"check": "Ray actor", "verdict": f"the reports differ in shape: {sorted(set(here) ^ set(actor))[:5]}"}, False

@@ -19,7 +19,7 @@ block set of --layers (`half`: the later half of the blocks, `all`, or a layer l
 The compensated graphs have the kernels of these forms (the fix is folded into W_o, W_down and the mlp's input) and a
 bias Add; they are not repeated here. Attention is torch's scaled_dot_product_attention (the flash kernel on a GPU),
 as a server would run it. Prefill is batch x --seq-len tokens from an empty cache, decode one token per sequence
-after a cache of --seq-len; each form's runs are timed with the other forms' interleaved (surgery.timing.interleaved),
+after a cache of --seq-len; each form's runs are timed with the other forms' interleaved (surgery.measure.timing.interleaved),
 eager and replayed from a torch.cuda.CUDAGraph captured once. One table of median [p90] ms and ratios to $OUT / stdout.
 """
 
@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import ROOT, gpu_name, table
-from synthetic import SHAPES, TINY, block_sets, written
+from common import ROOT, SHAPES, TINY, block_sets, gpu_name, table, written
 
-from surgery import graph, timing
-from surgery.layers import format_layers
+from surgery.files import graph
+from surgery.measure import timing
+from surgery.model.layers import format_layers
 
 FORMS = ("original", "plain", "fused", "two streams")
 

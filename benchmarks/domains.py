@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import ROOT, table
 
-from surgery import data, evaluate
+from surgery.measure import data, evaluate
 
 FOLDER = ROOT / "out" / "domains"
 FORTUNES = Path("/usr/share/games/fortunes")

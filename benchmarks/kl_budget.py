@@ -24,10 +24,12 @@ import time
 
 from common import smollm2, table
 
-from surgery import data, evaluate, graph
-from surgery.job import rewrite
-from surgery.layers import format_layers
-from surgery.select import PATIENCE, Budget, select_layers
+from surgery.compensation.fitting import FitSettings
+from surgery.files import graph
+from surgery.jobs.job import rewrite
+from surgery.jobs.select import PATIENCE, Budget, SelectionSettings, select_layers
+from surgery.measure import data, evaluate
+from surgery.model.layers import format_layers
 
 FITS = {"plain": None, "outputs": "full", "compensated": "full", "refit": "full", "drift": "full"}
 
@@ -51,8 +53,9 @@ def main() -> None:
     for method in args.methods.split(","):
         for budget in budgets:
             start = time.perf_counter()
-            s = select_layers(model, sel, fit_windows=fit_windows, fit=FITS[method], refit=method == "refit", input_side=method != "outputs",
-                              budget=Budget.parse(budget, args.max_loss_increase), patience=PATIENCE)
+            fit = None if FITS[method] is None else FitSettings(kind=FITS[method], memory=None, input_fix=method != "outputs")
+            greedy = SelectionSettings(Budget.parse(budget, args.max_loss_increase), patience=PATIENCE, refit=method == "refit")
+            s = select_layers(model, sel, fit_windows=fit_windows, fit=fit, settings=greedy)
             fixes = s.fixes
             seconds = time.perf_counter() - start
             base, after = evaluate.compare([model, rewrite(model, s.layers, fixes=fixes).model], ev)

@@ -17,10 +17,12 @@ import time
 
 from common import smollm2, table
 
-from surgery import data, evaluate, graph, runtime, timing
-from surgery.job import rewrite
-from surgery.layers import format_layers
-from surgery.select import Budget, select_layers
+from surgery.compensation.fitting import FitSettings
+from surgery.files import graph
+from surgery.jobs.job import rewrite
+from surgery.jobs.select import Budget, SelectionSettings, select_layers
+from surgery.measure import data, evaluate, runtime, timing
+from surgery.model.layers import format_layers
 
 FITS = {"plain": None, "calibrated": "gate", "compensated": "full"}
 
@@ -47,14 +49,15 @@ def main() -> None:
     variants = {"original": (model, None, ())}
     for budget in (float(b) for b in args.budgets.split(",")):
         for name, fit in FITS.items():
-            s = select_layers(model, sel, fit_windows=fit_windows, fit=fit, budget=Budget(None, budget), options=options)
+            fitted = None if fit is None else FitSettings(kind=fit, memory=None)
+            s = select_layers(model, sel, fit_windows=fit_windows, fit=fitted, settings=SelectionSettings(Budget(None, budget)), options=options)
             variants[f"{name} @{budget}"] = (rewrite(model, s.layers, fixes=s.fixes).model, s, s.layers)
             if fit == "full":
                 variants[f"compensated + fused @{budget}"] = (rewrite(model, s.layers, fused=True, fixes=s.fixes).model, s, s.layers)
             print(f"{name} @{budget}: {format_layers(s.layers) or 'none'} ({len(s.layers)}), selection dNLL {s.dnll}, "
                   f"{s.forward_passes} selection passes, seconds {s.seconds}", flush=True)
     if args.all_layers:
-        from surgery.compensation import fit as fit_all
+        from surgery.compensation.fitting import fit as fit_all
 
         fits = fit_all(model, fit_windows, options=options)
         every = range(len(fits))

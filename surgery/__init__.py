@@ -8,7 +8,7 @@ The public API, importable from the package itself (docs/api.md has a worked exa
     surgery.write(result.model, "out/tiny-parallel", like="graphs/tiny-llama")
 
 `import surgery` stays light (no onnx, no numpy, no torch): each name below is imported from its module on first
-use (PEP 562). No name here is a submodule's name (`surgery.evaluate`, `surgery.select`, ... stay modules).
+use (PEP 562). No name here is a sub-package's name (`surgery.measure`, `surgery.jobs`, ... stay packages).
 """
 
 from __future__ import annotations
@@ -20,45 +20,53 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from surgery.subject import Subject
+    from surgery.model.subject import Subject
 
 # public name -> "module:attribute"; read on first use by __getattr__
 _API = {
     # models and their blocks
-    "Subject": "surgery.subject:Subject",
-    "BlockMap": "surgery.blocks:BlockMap",
-    "find_blocks": "surgery.blocks:find_blocks",
-    "describe": "surgery.facts:describe",
-    "save": "surgery.graph:save",
-    "write": "surgery.graph:write",
+    "Subject": "surgery.model.subject:Subject",
+    "BlockMap": "surgery.model.blocks:BlockMap",
+    "find_blocks": "surgery.model.blocks:find_blocks",
+    "describe": "surgery.model.facts:describe",
+    "save": "surgery.files.graph:save",
+    "write": "surgery.files.graph:write",
     "SurgeryError": "surgery.errors:SurgeryError",
     # passes
     "parallelize": "surgery.passes:parallelize",
     "compensate": "surgery.passes:compensate",
     "ablate": "surgery.passes:ablate",
     "fuse": "surgery.passes:fuse",
-    "apply_pass": "surgery.passes:rewrite",  # not `rewrite`: surgery.rewrite is a module
+    "apply_pass": "surgery.passes:rewrite",  # not `rewrite`: surgery.jobs.rewrite is a module
     "Fix": "surgery.passes:Fix",
     "Change": "surgery.passes:Change",
     "SurgeryResult": "surgery.passes:SurgeryResult",
     # the fit and the selection
-    "fit": "surgery.compensation:fit",
-    "FitResult": "surgery.equations:FitResult",
-    "select_layers": "surgery.select:select_layers",
-    "Budget": "surgery.select:Budget",
-    "Selection": "surgery.select:Selection",
-    "auto": "surgery.job:auto",
+    "fit": "surgery.compensation.fitting:fit",
+    "FitResult": "surgery.compensation.equations:FitResult",
+    "select_layers": "surgery.jobs.select:select_layers",
+    "Budget": "surgery.jobs.select:Budget",
+    "Selection": "surgery.jobs.select:Selection",
+    "auto": "surgery.jobs.job:auto",
+    # settings: the commands' options, grouped and handed down whole
+    "JobSettings": "surgery.jobs.job:JobSettings",
+    "DataSettings": "surgery.measure.data:DataSettings",
+    "FitSettings": "surgery.compensation.fitting:FitSettings",
+    "SelectionSettings": "surgery.jobs.select:SelectionSettings",
+    "LatencySettings": "surgery.measure.timing:LatencySettings",
+    "Resources": "surgery.measure.cluster:Resources",
+    "DiagnoseSettings": "surgery.diagnostics.diagnose:DiagnoseSettings",
     # corpora and measurements
-    "windows": "surgery.data:windows",
-    "Windows": "surgery.data:Windows",
-    "perplexity": "surgery.evaluate:perplexity",
-    "compare": "surgery.evaluate:compare",
-    "divergence": "surgery.evaluate:divergence",
-    "delta": "surgery.evaluate:delta",
-    "latency": "surgery.timing:latency",
-    "Perplexity": "surgery.evaluate:Perplexity",
-    "Divergence": "surgery.evaluate:Divergence",
-    "Delta": "surgery.evaluate:Delta",
+    "windows": "surgery.measure.data:windows",
+    "Windows": "surgery.measure.data:Windows",
+    "perplexity": "surgery.measure.evaluate:perplexity",
+    "compare": "surgery.measure.evaluate:compare",
+    "divergence": "surgery.measure.evaluate:divergence",
+    "delta": "surgery.measure.evaluate:delta",
+    "latency": "surgery.measure.timing:latency",
+    "Perplexity": "surgery.measure.evaluate:Perplexity",
+    "Divergence": "surgery.measure.evaluate:Divergence",
+    "Delta": "surgery.measure.evaluate:Delta",
     "diagnose": "surgery.diagnostics.diagnose:diagnose",
     "Diagnosis": "surgery.diagnostics.diagnose:Diagnosis",
 }
@@ -83,7 +91,7 @@ def load(path: str | Path) -> Subject:
         SurgeryError: the path holds no ONNX model, the file is not a valid one (external data outside its folder,
             a value read before it is made, ...), or the graph has no transformer blocks; one line naming the file.
     """
-    from surgery.subject import Subject
+    from surgery.model.subject import Subject
 
     return Subject.load(path)
 

@@ -49,7 +49,7 @@ def _options(ctx: typer.Context, verbose: Annotated[bool, typer.Option("--verbos
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
         warnings.simplefilter("ignore")
-        for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir", "surgery.cluster"):  # the last: Ray's notices
+        for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir", "surgery.measure.cluster"):  # the last: Ray's notices
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -98,7 +98,7 @@ def _command(example: str, *, runs_ort: bool = False):
             try:
                 _check_counts(least, kwargs)
                 if runs_ort:
-                    from surgery.runtime import clashing_builds
+                    from surgery.measure.runtime import clashing_builds
 
                     if clash := clashing_builds():
                         err.print(f"[bold yellow]warning:[/] {escape(clash)}", highlight=False, soft_wrap=True)
@@ -108,7 +108,7 @@ def _command(example: str, *, runs_ort: bool = False):
             except KeyboardInterrupt:
                 _fail("interrupted; nothing partial was left behind (outputs appear whole or not at all)")
             except OSError as e:
-                from surgery.output import explain
+                from surgery.files.output import explain
 
                 if (line := explain(e)) is None:
                     raise
@@ -174,7 +174,7 @@ def export(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to create for model.onnx, config and tokenizer.", rich_help_panel=OUTPUT)] = ...,
 ) -> None:
     """Export a Hugging Face causal LM to an ONNX folder that optimum and ONNX Runtime can run."""
-    from surgery.export import export as run_export
+    from surgery.files.export import export as run_export
 
     with contextlib.redirect_stdout(sys.stderr if ctx.obj.verbose else io.StringIO()):  # exporters print progress; stdout is for results
         result = run_export(source, out_dir, past=past, gguf_file=gguf_file, opset=opset, exporter=exporter, validate=validate, dtype=dtype)
@@ -190,7 +190,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts and block map as JSON.")] = False,
 ) -> None:
     """Show each transformer block found in the graph, and facts about the model."""
-    from surgery.facts import describe
+    from surgery.model.facts import describe
 
     facts = describe(model)
     if as_json:
@@ -263,24 +263,37 @@ def parallelize(
 ) -> None:
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
-    from surgery import job, rewrite, summary
+    from surgery.compensation.fitting import FitSettings
+    from surgery.jobs import job, rewrite, select
+    from surgery.measure import runtime
+    from surgery.measure.cluster import Resources
+    from surgery.measure.data import DataSettings
+    from surgery.measure.timing import LatencySettings
+    from surgery.report import summary
 
     explicit = layers.strip().lower() != "auto"
-    fit, options, budget, fit_memory = _parallelize_settings(explicit, compensate, calibrate, threads, device, workers, ray,
-                                                             max_kl, max_loss_increase, fit_memory, requantize)
+    if explicit and (workers or ray):
+        raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
+    kind = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
+    checked = FitSettings(kind=kind or "full", windows=fit_windows, memory=fit_memory, requantize=requantize, input_fix=input_fix)  # even unused
+    fit = checked if kind is not None else None
+    options = runtime.Options(threads=threads, device=device)
+    if device not in runtime.DEVICES or not (workers or ray):  # with Ray, the actors' device is the cluster's (cluster.pool)
+        runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable
+    budget = select.Budget.parse(max_kl, max_loss_increase)
+    source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer)
     if explicit:
-        _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit=fit, fused=fuse, corpus=data, seq_len=seq_len,
-                                                 fit_windows=fit_windows, tokenizer=tokenizer, options=options, fit_memory=fit_memory,
-                                                 requantize=requantize, input_side=input_fix), as_json)
+        _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit, fuse, source, options), as_json)
         return
+    settings = job.JobSettings(
+        data=source, fit=fit, eval_windows=eval_windows, fused=fuse,
+        selection=select.SelectionSettings(budget=budget, windows=windows, score=score, max_layers=max_layers, patience=patience,
+                                           protect_first=protect_first, protect_last=protect_last, try_both=try_both_forms, refit=refit),
+        latency=LatencySettings(measure=latency, repeats=repeats), resources=Resources(options=options, workers=workers, ray=ray),
+        checkpoints=checkpoints, restart=restart,
+    )
     with _progress() as tell:
-        outcome, written = job.auto(
-            model, out_path, corpus=data, seq_len=seq_len, windows=windows, fit_windows=fit_windows, eval_windows=eval_windows,
-            fit=fit, score=score, budget=budget, max_layers=max_layers, patience=patience, protect_first=protect_first,
-            protect_last=protect_last, fused=fuse, try_both=try_both_forms, refit=refit, measure_latency=latency, repeats=repeats,
-            tokenizer=tokenizer, options=options, progress=tell, workers=workers, ray=ray, fit_memory=fit_memory, requantize=requantize,
-            input_side=input_fix, checkpoints=checkpoints, restart=restart,
-        )
+        outcome, written = job.auto(model, out_path, settings, progress=tell)
     for layer, why in outcome.selection.uncompensated.items():
         err.print(f"[bold yellow]warning:[/] block {layer} was written plain parallel: its fix could not be made ({escape(why)})",
                   highlight=False, soft_wrap=True)
@@ -289,23 +302,6 @@ def parallelize(
         return
     for key, value in summary.lines(outcome, written, budget, repeats):
         out.print(f"[bold]{key:>17}[/]  {escape(value)}", highlight=False)
-
-
-def _parallelize_settings(explicit, compensate, calibrate, threads, device, workers, ray, max_kl, max_loss_increase, fit_memory, requantize):
-    """parallelize's options as the library takes them: fit, runtime options, budget, fit memory; a wrong one fails first."""
-    from surgery import compensation, memory, rewrite, runtime, select
-
-    if explicit and (workers or ray):
-        raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
-    fit = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
-    options = runtime.Options(threads=threads, device=device)
-    if device not in runtime.DEVICES or not (workers or ray):  # with Ray, the actors' device is the cluster's (cluster.pool)
-        runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable
-    budget = select.Budget.parse(max_kl, max_loss_increase)
-    fit_memory = memory.memory_bound(fit_memory)
-    if requantize not in compensation.REQUANTIZE:
-        raise SurgeryError(f"--requantize {requantize!r}: choose one of {', '.join(compensation.REQUANTIZE)}")
-    return fit, options, budget, fit_memory
 
 
 @_command("surgery ablate out/smollm2 --branch mlp --mode tangential --layers 0-2 -o out/smollm2-tangential")
@@ -320,8 +316,8 @@ def ablate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Keep only the tangential or radial part of a branch's output, remove it, or scale it."""
+    from surgery.jobs.rewrite import rewrite_file
     from surgery.passes import ablate as edit
-    from surgery.rewrite import rewrite_file
 
     _print_changes(*rewrite_file(model, out_path, layers, lambda m, chosen: edit(m, branch, mode, chosen, scale, keep_sink)), as_json)
 
@@ -359,39 +355,25 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side."""
-    from surgery import evaluate as ev
-    from surgery import report, runtime, summary
+    from surgery.measure import evaluate as ev
+    from surgery.measure import runtime
+    from surgery.measure.data import DataSettings
+    from surgery.measure.timing import LatencySettings
 
+    source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer, stride=stride)
+    timed = LatencySettings(measure=latency, repeats=repeats, batch=latency_batch, warmup=warmup)
     with _progress() as tell:
-        windows, rows = ev.side_by_side(
-            models, _short_names(models), corpus=data, seq_len=seq_len, stride=stride, max_windows=_max_windows(max_windows), part=part,
-            tokenizer=tokenizer, batch_size=batch_size, measure_latency=latency, latency_batch=latency_batch, repeats=repeats,
-            warmup=warmup, options=runtime.Options(threads=threads, device=device), progress=tell,
-        )
+        windows, rows = ev.side_by_side(models, _short_names(models), source, _max_windows(max_windows), part, batch_size, timed,
+                                        runtime.Options(threads=threads, device=device), progress=tell)
     if as_json:
         print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
         return
     table = Table(show_edge=False, pad_edge=False, title=f"{windows.name}: {len(windows)} windows x {seq_len} tokens, {windows.tokens} scored", title_justify="left")
-    for column in ("model", "loss", "ppl", "dNLL", "95 % CI", "KL", "95 % CI ", "KL p99", "top-1", "Same top p", "99.9% KLD", "RMS Δp"):
-        table.add_column(column, justify="left" if column == "model" else "right")
-    if latency:
-        table.add_column("provider")  # where ORT ran the nodes: CUDA, or CUDA (CPU: the ops it left on the host)
-        for column in ("prefill ms", "decode ms/tok", "prefill x", "decode x"):
-            table.add_column(column, justify="right")
+    shown = ev.columns(timed=latency)
+    for header, _ in shown:
+        table.add_column(header, justify="left" if header in ("model", "provider") else "right")
     for row in rows:
-        low_high = row["dnll_interval"]
-        cells = [row["name"], f"{row['loss']:.4f}", f"{row['perplexity']:.3f}", f"{row['dnll']:+.4f}",
-                 "-" if low_high is None else escape(report.interval(low_high))]
-        if row["kl"] is None:
-            cells += ["-"] * 7
-        else:
-            cells += [f"{row['kl']:.4f}", escape(f"[{row['kl_interval'][0]:.4f}, {row['kl_interval'][1]:.4f}]"), f"{row['kl_p99']:.4f}",
-                      f"{100 * row['top1_agreement']:.1f} %", *([summary.pm(lc, "Same top p"), f"{lc['99.9% KLD']:.4f}", summary.pm(lc, "RMS Δp")]
-                                                                 if (lc := row["llama_cpp"]) else ["-"] * 3)]
-        if latency:
-            cells += [escape(row["placement"]), f"{row['prefill_ms']:.2f}", "-" if row["decode_ms"] is None else f"{row['decode_ms']:.2f}",
-                      f"{row['prefill_ratio']:.3f}", "-" if row["decode_ratio"] is None else f"{row['decode_ratio']:.3f}"]
-        table.add_row(*cells)
+        table.add_row(*(escape(cell(row)) for _, cell in shown))
     out.print(table)
     if latency:
         out.print(f"x = first model's median time / this model's ({repeats} interleaved repeats, batch {latency_batch}); > 1 is faster", highlight=False)
@@ -420,15 +402,20 @@ def diagnose(
     restart: Restart = False,
 ) -> None:
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
-    from surgery import output, report, runtime
-    from surgery.diagnostics import SECTIONS
+    from surgery.diagnostics import SECTIONS, DiagnoseSettings
     from surgery.diagnostics import diagnose as run
+    from surgery.files import output
+    from surgery.measure import runtime
+    from surgery.measure.cluster import Resources
+    from surgery.measure.data import DataSettings
+    from surgery.report import diagnosis as report
 
     sections = SECTIONS if only.strip() == "all" else tuple(s.strip() for s in only.split(",") if s.strip())
+    settings = DiagnoseSettings(DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer), windows=windows, eval_windows=eval_windows,
+                                only=sections, critical_seeds=critical_seeds)
     output.check(report_dir)
     with _progress() as tell:
-        result = run(model, corpus=data, seq_len=seq_len, windows=windows, eval_windows=eval_windows, only=sections, critical_seeds=critical_seeds,
-                     tokenizer=tokenizer, options=runtime.Options(threads=threads, device=device), progress=tell, workers=workers, ray=ray,
+        result = run(model, settings, Resources(runtime.Options(threads=threads, device=device), workers, ray), progress=tell,
                      checkpoints=report_dir if checkpoints else None, restart=restart)
     folder = report.write(result, report_dir)
     if as_json:

@@ -31,7 +31,7 @@ class TinyExport:
     never write into them (copy a folder first to change it)."""
 
     hf: Path
-    onnx: Path  # the folder `surgery.export.export` wrote: model.onnx, config, tokenizer
+    onnx: Path  # the folder `surgery.files.export.export` wrote: model.onnx, config, tokenizer
 
 
 class TinyExports:
@@ -51,7 +51,7 @@ class TinyExports:
         return self._once(_name("hf", family, seed, config), lambda folder: save_tiny(family, folder, seed=seed, **config))
 
     def __call__(self, family: str, exporter: str = "optimum", past: bool = True, seed: int = 5, dtype: str = "fp32", **config) -> TinyExport:
-        from surgery.export import export
+        from surgery.files.export import export
 
         hf = self.hf(family, seed, **config)
         name = _name(f"{exporter}-{'past' if past else 'nopast'}-{dtype}", family, seed, config)
@@ -130,8 +130,8 @@ def smollm2(tmp_path_factory):
     """The real SmolLM2-135M exported by `surgery export smollm2-135m` (fp32, KV cache), once per session."""
     from typer.testing import CliRunner
 
-    from surgery import export
     from surgery.cli import app
+    from surgery.files import export
 
     folder = tmp_path_factory.mktemp("smollm2") / "onnx"
     with pytest.MonkeyPatch.context() as patch:
@@ -144,7 +144,7 @@ def smollm2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_fp16(smollm2, tmp_path_factory):
     """The same model exported with dtype fp16, from the model the fp32 export loaded."""
-    from surgery import export
+    from surgery.files import export
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(export, "_load", _load_once(export._load))
@@ -158,7 +158,7 @@ def _numpy_divergence(first, other, windows) -> dict:
     `windows`, from each graph's raw logits with log-softmax in float64 NumPy."""
     import numpy as np
 
-    from surgery import runtime
+    from surgery.measure import runtime
 
     sessions = [runtime.session(m) for m in (first, other)]
     kl, agree = [], []

@@ -11,7 +11,8 @@ import numpy as np
 import onnx_ir as ir
 
 from graphs.make_fixtures import COMMITTED, FAMILIES, Family, save_tiny  # noqa: F401  the one table of tiny families, their builder
-from surgery import graph, runtime
+from surgery.files import graph
+from surgery.measure import runtime
 
 IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
 
@@ -56,7 +57,7 @@ def assert_found_tensors_equal_hooked(model: ir.Model, hf, ids: np.ndarray, logi
     (tests.reference.block_tensors), and so do the logits; every hooked tensor is found. Returns the tapped values by name and the
     (layer, key, value name) of each tensor found."""
     from surgery.analysis import probe
-    from surgery.blocks import find_blocks
+    from surgery.model.blocks import find_blocks
     from tests.reference import block_tensors
 
     names = [(b.layer, key, value) for b in find_blocks(model) for key, value in b.tensors().items()]

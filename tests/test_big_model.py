@@ -12,8 +12,9 @@ import onnx_ir as ir
 import pytest
 
 from graphs import big_decoder
-from surgery import graph, runtime
-from surgery.blocks import find_blocks
+from surgery.files import graph
+from surgery.measure import runtime
+from surgery.model.blocks import find_blocks
 
 pytestmark = pytest.mark.slow
 D, VOCAB, LAYERS = 1024, 262_144, 2  # the embedding alone is 1 GiB of float32
@@ -113,7 +114,7 @@ def test_compensate_big_external_data_model_reads_only_the_folded_weights(tmp_pa
     before = {p.name: _sha(p) for p in src_dir.iterdir()}
     script = (
         "import numpy as np\n"
-        "from surgery import graph\n"
+        "from surgery.files import graph\n"
         "from surgery.passes import Fix, compensate\n"
         f"model = graph.load({str(src_dir / 'big.onnx')!r})\n"
         f"rng = np.random.default_rng(1); d = {D}\n"

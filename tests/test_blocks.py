@@ -2,9 +2,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import graph, runtime
-from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
+from surgery.files import graph
+from surgery.measure import runtime
+from surgery.model.blocks import find_blocks
 from tests.helpers import COMMITTED, FAMILIES, assert_found_tensors_equal_hooked, linear_model
 
 PLAIN_NORMED = ["gpt2", "gpt_neox", "gpt_neox_parallel", "llama", "qwen2", "mistral", "phi3"]

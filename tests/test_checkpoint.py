@@ -2,6 +2,7 @@
 work folder of other inputs or options is refused; a Ray actor killed mid-fit or mid-trials is replaced and its job
 redone."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,10 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from surgery import checkpoint, evaluate, job, select
-from surgery.checkpoint import Checkpoints, work_folder
-from surgery.equations import FitResult, NormalEquations
+from surgery.compensation.equations import FitResult, NormalEquations
+from surgery.compensation.fitting import FitSettings
 from surgery.errors import SurgeryError
+from surgery.files import checkpoint
+from surgery.files.checkpoint import Checkpoints, work_folder
+from surgery.jobs import job, select
+from surgery.jobs.job import JobSettings
+from surgery.measure import evaluate
+from surgery.measure.cluster import Resources
+from surgery.measure.data import DataSettings
+from surgery.measure.timing import LatencySettings
 from surgery.passes import Fix
 
 TIMES = {"seconds", "fit_seconds", "latency", "fit_memory", "estimated_speedup", "resumed", "checkpoints"}  # measured, not computed
@@ -139,7 +147,7 @@ def test_a_work_folder_of_other_options_is_refused_in_one_line_and_restart_disca
 
 def test_a_work_folder_in_use_by_another_run_is_refused_and_the_lock_goes_with_its_process(tmp_path):
     work = Checkpoints.open(tmp_path / "out", {"model": "a"})
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from surgery.checkpoint import Checkpoints; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from surgery.files.checkpoint import Checkpoints; "
                                f"Checkpoints.open({str(tmp_path / 'other')!r}, {{}}); print('held', flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -184,8 +192,9 @@ def test_a_checkpoint_holds_the_fit_and_the_scores_exactly_and_rebuilds_no_other
 @pytest.mark.parametrize("unit, skip", [("fit outputs window 5", 0), ("trial batch", 3)])
 def test_a_ray_actor_killed_mid_fit_or_mid_trials_is_replaced_and_the_run_equals_the_in_process_one(fixture_path, tmp_path, monkeypatch, unit, skip):
     pytest.importorskip("ray")
-    kwargs = dict(seq_len=32, fit_windows=8, windows=8, eval_windows=2, measure_latency=False, budget=select.Budget(None, 1.0), checkpoints=False)
-    here, _ = job.auto(fixture_path("llama"), tmp_path / "here", **kwargs)
+    settings = JobSettings(DataSettings(seq_len=32), FitSettings(windows=8), select.SelectionSettings(select.Budget(None, 1.0), windows=8),
+                           eval_windows=2, latency=LatencySettings(measure=False), checkpoints=False)
+    here, _ = job.auto(fixture_path("llama"), tmp_path / "here", settings)
     pause = tmp_path / "pause"
     monkeypatch.setenv("SURGERY_PAUSE_AT", unit)  # read by the actors, which the local cluster starts with this environment
     monkeypatch.setenv("SURGERY_PAUSE_FILE", str(pause))
@@ -199,7 +208,7 @@ def test_a_ray_actor_killed_mid_fit_or_mid_trials_is_replaced_and_the_run_equals
         os.kill(killed[0], signal.SIGKILL)
 
     threading.Thread(target=kill, daemon=True).start()
-    there, _ = job.auto(fixture_path("llama"), tmp_path / "there", workers=2, **kwargs)
+    there, _ = job.auto(fixture_path("llama"), tmp_path / "there", dataclasses.replace(settings, resources=Resources(workers=2)))
     assert killed and killed[0] != os.getpid()  # an actor died, not this process
     assert there.selection.layers == here.selection.layers and len(here.selection.trials) >= 3
     for a, b in zip(here.selection.trials, there.selection.trials):
@@ -221,7 +230,8 @@ def test_a_job_whose_actor_dies_every_time_stops_the_run_in_one_line_naming_host
     pytest.importorskip("ray")
     import socket
 
-    from surgery import cluster, graph
+    from surgery.files import graph
+    from surgery.measure import cluster
 
     model = graph.load(fixture_path("llama"))
     with cluster.pool(workers=1) as pool, pytest.raises(SurgeryError) as error:

@@ -140,7 +140,7 @@ def test_counts_below_their_least_are_one_line_before_any_work(tmp_path, fixture
 
 
 def test_evaluate_scores_every_window_of_the_part_with_max_windows_all(fixture_path):
-    from surgery import data
+    from surgery.measure import data
 
     result = runner.invoke(app, ["evaluate", str(fixture_path("llama")), "--max-windows", "all", "--seq-len", "32", "--no-latency", "--json"])
     assert result.exit_code == 0, result.output
@@ -207,14 +207,14 @@ def test_the_quick_examples_run_on_a_tiny_model(tmp_path, fixture_path, name):
 
 def test_verbose_reaches_the_command_through_typer_s_context(monkeypatch, tmp_path):
     """`surgery --verbose export ...` lets the exporters' progress through to stderr; without it they are silenced."""
-    import surgery.export
+    import surgery.files.export
     from surgery.errors import SurgeryError
 
     def fake_export(source, out_dir, **options):
         print("exporter progress")
         raise SurgeryError("stop here")
 
-    monkeypatch.setattr(surgery.export, "export", fake_export)
+    monkeypatch.setattr(surgery.files.export, "export", fake_export)
     quiet = runner.invoke(app, ["export", "smollm2-135m", "-o", str(tmp_path / "x")])
     loud = runner.invoke(app, ["--verbose", "export", "smollm2-135m", "-o", str(tmp_path / "x")])
     assert quiet.exit_code == loud.exit_code == 1

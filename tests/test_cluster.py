@@ -1,5 +1,6 @@
 """Scoring on Ray actors gives the numbers of the in-process run."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -7,11 +8,16 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from surgery import cluster, runtime
 from surgery.cli import app
-from surgery.diagnostics import diagnose
+from surgery.compensation.fitting import FitSettings
+from surgery.diagnostics import DiagnoseSettings, diagnose
 from surgery.diagnostics.diagnose import _diagnose
 from surgery.errors import SurgeryError
+from surgery.jobs.job import JobSettings
+from surgery.measure import cluster, runtime
+from surgery.measure.cluster import Resources
+from surgery.measure.data import DataSettings
+from surgery.measure.timing import LatencySettings
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
 
@@ -32,9 +38,9 @@ def _leaves(x, path=""):
 def test_diagnose_on_a_local_2_cpu_ray_cluster_equals_the_in_process_run(fixture_path):
     """The probe's windows and the chunks of the evaluation window's loss runs spread over two actors."""
     pytest.importorskip("ray")
-    kwargs = dict(seq_len=32, windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"))
-    here = dict(_leaves(diagnose(fixture_path("llama"), options=runtime.Options(threads=1), **kwargs).to_json()))  # one run at a time
-    there = dict(_leaves(diagnose(fixture_path("llama"), workers=2, **kwargs).to_json()))
+    settings = DiagnoseSettings(DataSettings(seq_len=32), windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"))
+    here = dict(_leaves(diagnose(fixture_path("llama"), settings, Resources(runtime.Options(threads=1))).to_json()))  # one run at a time
+    there = dict(_leaves(diagnose(fixture_path("llama"), settings, Resources(workers=2)).to_json()))
     assert there.keys() == here.keys() and len(here) > 100
     for path, value in here.items():
         assert there[path] == pytest.approx(value, rel=1e-9, abs=1e-12), path
@@ -43,12 +49,12 @@ def test_diagnose_on_a_local_2_cpu_ray_cluster_equals_the_in_process_run(fixture
 def test_concurrent_runs_in_process_equal_one_run_at_a_time(fixture_path):
     """Two probe windows, and two chunks of an evaluation window's loss runs, at a time on one session's threads
     give the numbers of one run at a time."""
-    kwargs = dict(seq_len=32, windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"),
-                  options=runtime.analysis(runtime.Options(threads=1)))
-    here = dict(_leaves(_diagnose(fixture_path("llama"), **kwargs).to_json()))
+    settings = DiagnoseSettings(DataSettings(seq_len=32), windows=3, eval_windows=1, only=("deficit", "diversity", "defect", "gate", "ablation"))
+    options = runtime.analysis(runtime.Options(threads=1))
+    here = dict(_leaves(_diagnose(fixture_path("llama"), settings, options).to_json()))
     with cluster.pool(concurrent=2) as pool:
         assert pool.parallel == 2
-        there = dict(_leaves(_diagnose(fixture_path("llama"), pool=pool, **kwargs).to_json()))
+        there = dict(_leaves(_diagnose(fixture_path("llama"), settings, options, pool).to_json()))
     assert there.keys() == here.keys() and len(here) > 100
     for path, value in here.items():
         assert there[path] == pytest.approx(value, rel=1e-9, abs=1e-12), path
@@ -84,13 +90,14 @@ def test_auto_selection_on_ray_actors_equals_the_in_process_run(fixture_path, tm
     pytest.importorskip("ray")
     from threadpoolctl import threadpool_limits
 
-    from surgery import job, select, trials
+    from surgery.jobs import job, select, trials
 
-    kwargs = dict(seq_len=32, fit_windows=4, windows=8, eval_windows=2, measure_latency=False, budget=select.Budget(None, 1.0))
+    settings = JobSettings(DataSettings(seq_len=32), FitSettings(windows=4), select.SelectionSettings(select.Budget(None, 1.0), windows=8),
+                           eval_windows=2, latency=LatencySettings(measure=False))
     with threadpool_limits(1), pytest.MonkeyPatch.context() as patch:  # one BLAS thread, as each actor has: the fit's float32 products then sum in the same order
         patch.setattr(trials.resumable, "resumable", lambda board, blocks: None)  # whole passes, as on Ray (resumed ones: test_select)
-        here, _ = job.auto(fixture_path("llama"), tmp_path / "here", options=runtime.Options(threads=1), **kwargs)
-    there, _ = job.auto(fixture_path("llama"), tmp_path / "there", workers=2, **kwargs)
+        here, _ = job.auto(fixture_path("llama"), tmp_path / "here", dataclasses.replace(settings, resources=Resources(runtime.Options(threads=1))))
+    there, _ = job.auto(fixture_path("llama"), tmp_path / "there", dataclasses.replace(settings, resources=Resources(workers=2)))
     assert there.selection.layers == here.selection.layers and len(here.selection.trials) >= 3
     for a, b in zip(here.selection.trials, there.selection.trials):
         assert (a.layer, a.form, a.kept) == (b.layer, b.form, b.kept)
@@ -113,21 +120,24 @@ def test_fit_on_a_local_2_cpu_ray_cluster_equals_the_in_process_fit(fixture_path
     one pass in process and three on the local cluster: the passes are counted with the actors' copies. The input
     side runs on 5 of the 7 windows, split between the actors as the output side's 7 are."""
     pytest.importorskip("ray")
-    from surgery import compensation, data, graph
-    from surgery.equations import NormalEquations
-    from surgery.facts import embedding_table
+    from surgery import compensation
+    from surgery.compensation.equations import NormalEquations
+    from surgery.files import graph
+    from surgery.measure import data
+    from surgery.model.embedding import embedding_table
 
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=16, max_windows=7, part="calibration")  # 7: the actors' runs differ in length
     bound = 3 * NormalEquations.nbytes(embedding_table(model)[1])
-    here = compensation.fit(model, windows, memory_bytes=bound, input_windows=5)
+    here = compensation.fit(model, windows, settings=FitSettings(memory=bound, input_windows=5))
     with cluster.pool(workers=2) as pool:
         # each chunk: the input side's pass and the output side's
-        assert (pool.copies, compensation.passes(model, memory_bytes=bound, pool=pool), compensation.passes(model, memory_bytes=bound)) == (3, 6, 2)
+        assert (pool.copies, compensation.passes(model, settings=FitSettings(memory=bound), pool=pool),
+                compensation.passes(model, settings=FitSettings(memory=bound))) == (3, 6, 2)
         done = []
-        there = compensation.fit(model, windows, memory_bytes=bound, pool=pool,
-                                 progress=lambda d, t: done.append((d, t)), input_windows=5)
+        there = compensation.fit(model, windows, settings=FitSettings(memory=bound, input_windows=5), pool=pool,
+                                 progress=lambda d, t: done.append((d, t)))
     assert done[-1] == (3 * len(windows) + 3 * 5,) * 2
     a, b = _fit_numbers(here), _fit_numbers(there)
     assert a.keys() == b.keys() == {0, 1, 2}
@@ -147,7 +157,9 @@ def test_cuda_actors_that_cannot_run_on_cuda_fail_in_one_line(fixture_path, tmp_
     """A local cluster declaring two GPUs that this machine does not have: each actor gets one (num_gpus) and runs
     with --device cuda, and its session cannot start there; a cluster with no GPU at all fails before any actor starts."""
     pytest.importorskip("ray")
-    from surgery import compensation, data, graph
+    from surgery import compensation
+    from surgery.files import graph
+    from surgery.measure import data
 
     path = fixture_path("llama")
     model = graph.load(path)

@@ -5,10 +5,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import graph, metadata
 from surgery.analysis.fit_graph import kinds, switched
-from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
+from surgery.files import graph, metadata
+from surgery.model.blocks import find_blocks
 from surgery.passes import Fix, compensate, fuse, parallelize
 
 torch = pytest.importorskip("torch")
@@ -106,7 +106,7 @@ def test_residual_multipliers_fold_into_the_projections(tiny_export):
     the scaled outputs A, P; the hooked model sees the branches before the scale, so it adds A w_a + P w_p + b / 0.4
     there. Compensated (written and switched in a switchboard) and fused blocks keep the scale."""
     from surgery.analysis import switchboard as board_graph
-    from surgery.nodes import values_by_name
+    from surgery.model.nodes import values_by_name
     from surgery.passes import projection
 
     tiny = Exported(tiny_export("granite", seed=5))

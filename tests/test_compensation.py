@@ -3,10 +3,14 @@
 import numpy as np
 import pytest
 
-from surgery import compensation, data, graph, memory
+from surgery import compensation
 from surgery.analysis import fit_graph
-from surgery.equations import RIDGES, NormalEquations
-from surgery.facts import embedding_table
+from surgery.compensation import memory
+from surgery.compensation.equations import RIDGES, NormalEquations
+from surgery.compensation.fitting import FitSettings
+from surgery.files import graph
+from surgery.measure import data
+from surgery.model.embedding import embedding_table
 
 
 def planted(d=6, n=400, seed=0, noise=0.0):
@@ -80,7 +84,7 @@ def test_fit_on_a_graph_lowers_the_held_out_defect(fixture_path):
     model = graph.load(path)
     windows = data.windows(path, seq_len=32, max_windows=24, part="calibration")
     assert all(0 < f.input_residual < 1 and f.fix.fixes_input for f in compensation.fit(model, windows).values())
-    fits = compensation.fit(model, windows, input_side=False)
+    fits = compensation.fit(model, windows, settings=FitSettings(input_fix=False))
     assert sorted(fits) == [0, 1, 2]
     for f in fits.values():
         assert f.fix is not None and 0 < f.residual < 1 and f.c_comp < f.c_stream
@@ -91,12 +95,13 @@ def test_the_fit_makes_as_many_passes_as_the_memory_bound_needs_and_says_so(fixt
     model = graph.load(path)
     windows = data.windows(path, seq_len=16, max_windows=4, part="calibration")
     one_layer = NormalEquations.nbytes(embedding_table(model)[1])
-    assert compensation.passes(model, input_side=False) == 1 and compensation.passes(model, {0, 2}, input_side=False) == 1
-    assert compensation.passes(model) == 2 and compensation.passes(model, kind="gate") == 1  # the input side's pass first
-    assert compensation.passes(model, memory_bytes=one_layer) == 6
-    assert compensation.passes(model, memory_bytes=2 * one_layer, input_side=False) == 2
+    outputs_only = FitSettings(input_fix=False)
+    assert compensation.passes(model, settings=outputs_only) == 1 and compensation.passes(model, {0, 2}, outputs_only) == 1
+    assert compensation.passes(model) == 2 and compensation.passes(model, settings=FitSettings(kind="gate")) == 1  # the input side's pass first
+    assert compensation.passes(model, settings=FitSettings(memory=one_layer)) == 6
+    assert compensation.passes(model, settings=FitSettings(memory=2 * one_layer, input_fix=False)) == 2
     steps = []
-    chunked = compensation.fit(model, windows, memory_bytes=one_layer, progress=lambda done, total: steps.append(total))
+    chunked = compensation.fit(model, windows, settings=FitSettings(memory=one_layer), progress=lambda done, total: steps.append(total))
     assert set(steps) == {6 * len(windows)} and len(steps) == 6 * len(windows)  # two passes over the windows per layer
     whole = compensation.fit(model, windows)
     for layer, f in whole.items():  # the same sums, whichever chunk a layer is in
@@ -109,8 +114,8 @@ def test_the_fit_makes_as_many_passes_as_the_memory_bound_needs_and_says_so(fixt
 def test_a_pass_runs_only_its_own_blocks(fixture_path):
     """The pass of block 1 starts from the stream handed on by the pass of block 0 and stops after block 1: it has
     a third of the whole fit graph's MatMuls; its taps equal the whole graph's."""
-    from surgery import runtime
     from surgery.analysis.switchboard import SWITCHES
+    from surgery.measure import runtime
 
     model = graph.load(fixture_path("llama"))
     whole = fit_graph.fit_graph(model)
@@ -168,7 +173,7 @@ def test_input_side_and_the_output_side_after_it_equal_numpy_on_the_hooked_hf_mo
 
     tiny = Exported(tiny_export(family, seed=5))
     windows = data.windows(tiny.folder, seq_len=32, max_windows=12, part="calibration")
-    fits = compensation.fit(tiny.onnx, windows, input_windows=input_windows)
+    fits = compensation.fit(tiny.onnx, windows, settings=FitSettings(input_windows=input_windows))
     inputs_rows = [0, 3, 6, 8, 11] if input_windows else list(range(12))
     blocks_path, attn_name, mlp_name, ln2_name = LAYOUT[tiny.torch.config.model_type]
     layers = tiny.torch.get_submodule(blocks_path)

@@ -4,7 +4,7 @@ import re
 
 import numpy as np
 
-from surgery import corpus, data
+from surgery.measure import corpus, data
 
 
 def test_every_kind_is_on_this_machine_and_has_its_share():

@@ -3,11 +3,12 @@ import copy
 import numpy as np
 import pytest
 
-from surgery import graph, runtime
 from surgery.analysis import field as field_graph
-from surgery.blocks import find_blocks
 from surgery.diagnostics.critical import classify, find_critical_points, fixed_points, tangent_basis, tangent_jacobians
 from surgery.diagnostics.geometry import unit
+from surgery.files import graph
+from surgery.measure import runtime
+from surgery.model.blocks import find_blocks
 
 
 def _symmetric(spectrum, seed=0):

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from surgery import data
 from surgery.errors import SurgeryError
+from surgery.measure import data
 
 
 def test_default_corpus_is_pydoc_topics_in_sorted_order():
@@ -64,7 +64,7 @@ def test_the_default_is_text_and_the_models_own_samples_half_and_half(fixture_pa
     """The default corpus: half of each part's windows the built-in text, half samples the model wrote itself,
     spread over each other; the parts' samples differ, and each is the model's own next-token draw. Asked for every
     window, it is every text window."""
-    from surgery import corpus, runtime
+    from surgery.measure import corpus, runtime
 
     model = fixture_path("llama")
     cal = data.windows(model, seq_len=32, max_windows=10, part="calibration")

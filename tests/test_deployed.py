@@ -10,13 +10,19 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import canonical, graph, metadata, nodes, ops, runtime
 from surgery.analysis import probe as probe_graph
 from surgery.analysis.fit_graph import fit_graph, kinds, switched
-from surgery.blocks import find_blocks
 from surgery.cli import app
+from surgery.compensation.fitting import FitSettings
+from surgery.diagnostics import DiagnoseSettings
 from surgery.errors import SurgeryError
-from surgery.facts import embedding_table
+from surgery.files import canonical, graph, metadata, ops
+from surgery.measure import runtime
+from surgery.measure.data import DataSettings
+from surgery.measure.timing import LatencySettings
+from surgery.model import nodes
+from surgery.model.blocks import find_blocks
+from surgery.model.embedding import embedding_table
 from surgery.passes import MODES, Fix, ablate, compensate, fuse, parallelize, projection
 from tests.helpers import FAMILIES, FLOAT32, Tol, assert_found_tensors_equal_hooked, assert_logits_equal
 from tests.helpers import logits as ids_logits
@@ -119,7 +125,7 @@ def contrib_ops(path) -> collections.Counter:
 
 
 def test_found_tensors_equal_the_hooked_hf_model(deployed):
-    from surgery.facts import describe
+    from surgery.model.facts import describe
 
     facts = describe(deployed.folder)
     assert (facts.n_layers, facts.d_model, facts.vocab) == (3, deployed.torch.config.hidden_size, 512)
@@ -324,7 +330,7 @@ def test_default_main_job_on_a_genai_folder_generates_in_onnxruntime_genai(build
     decoding of the same graph by ONNX Runtime (the whole sequence each step, no cache: the same kernels; int4 at
     the builder's accuracy_level 4)."""
     from graphs.deployed import genai_greedy
-    from surgery import runtime
+    from surgery.measure import runtime
 
     built = builds.variant(name)
     out = tmp_path / "out"
@@ -365,18 +371,19 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
     """The same weights built by the GenAI builder and by optimum: the one-pass scores and the single-layer
     dNLLs agree; auto on the int4 build ranks by C_l^comp and writes compensated MatMulNBits blocks, their codes
     chosen error-aware, with as many MatMulNBits as the input."""
-    from surgery import job, select
     from surgery.diagnostics import diagnose
+    from surgery.jobs import job, select
 
     reports = [
-        diagnose(path, seq_len=64, windows=2, eval_windows=2, only=("deficit", "defect", "gate")).to_json()
+        diagnose(path, DiagnoseSettings(DataSettings(seq_len=64), windows=2, eval_windows=2, only=("deficit", "defect", "gate"))).to_json()
         for path in (builds.optimum("llama"), builds.variant("genai-fp32"))
     ]
     for section, key in (("deficit", "deficit"), ("defect", "c"), ("defect", "c_stream"), ("gate", "alpha"), ("defect", "dnll_parallel")):
         np.testing.assert_allclose(reports[1][section][key], reports[0][section][key], rtol=1e-3, atol=1e-5, err_msg=key)
 
-    outcome, written = job.auto(builds.variant("genai-int4"), tmp_path / "auto", seq_len=64, fit_windows=4, windows=2, eval_windows=2,
-                                measure_latency=False, budget=select.Budget(None, None))
+    settings = job.JobSettings(DataSettings(seq_len=64), FitSettings(windows=4), select.SelectionSettings(select.Budget(None, None), windows=2),
+                               eval_windows=2, latency=LatencySettings(measure=False))
+    outcome, written = job.auto(builds.variant("genai-int4"), tmp_path / "auto", settings)
     chosen = outcome.selection
     assert chosen.score == "c_comp" and chosen.layers == (0, 1, 2) and set(chosen.forms.values()) == {"compensated"}
     assert chosen.requantize == "gptq" and all(chosen.fits[layer].fix.packed[0] is not None for layer in range(3))
@@ -389,7 +396,7 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
 def test_kl_and_top1_agreement_equal_numpy_on_genai_graphs(builds, name, tmp_path, numpy_divergence):
     """evaluate's KL, p99 KL and top-1 agreement on GenAI builder graphs (GroupQueryAttention, MatMulNBits)
     equal float64 NumPy on the raw logits of the original and a parallelized copy."""
-    from surgery import data, evaluate
+    from surgery.measure import data, evaluate
 
     folder = builds.variant(name)
     rewritten = graph.write(parallelize(graph.load(folder), [0, 1]).model, tmp_path / "parallel", like=folder)
@@ -407,7 +414,8 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     """The fit pass on an int4 graph sums x x' of W_o's input and of the parallel block's W_down input (the HF model
     with the dequantized weights, block 1 parallel, hooks on o_proj and down_proj; token 0 left out), and each fix
     carries the GPTQ codes of W_o (I + w_a) and W_down (I + w_p) on those moments; `nearest` leaves them to the fold."""
-    from surgery import compensation, data
+    from surgery import compensation
+    from surgery.measure import data
     from tests.reference import Edits
 
     torch = pytest.importorskip("torch")
@@ -438,7 +446,7 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     for p, (w, _), packed, name in zip((attn, mlp), fit.fix.fold(attn, mlp), fit.fix.packed, ("o_in", "down_in")):
         np.testing.assert_array_equal(packed, p.quant.packed(p.quant.gptq(w, sided.grams[name])))
         assert not np.array_equal(packed, p.quant.packed(p.quant.round(w)))  # error-aware is not rounding to nearest
-    nearest = compensation.fit(model, windows, [1], requantize="nearest")[1].fix
+    nearest = compensation.fit(model, windows, [1], settings=FitSettings(requantize="nearest"))[1].fix
     assert nearest.packed == (None, None) and nearest.packed_in == () and nearest.w_in is not None
     # the input side, folded into W_gate / W_up: its codes error-aware on sum u u', u what they read in the parallel block
     seen_u = []

@@ -5,15 +5,18 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from surgery import compensation, data, evaluate, graph, runtime
+from surgery import compensation
 from surgery.analysis import field as field_graph
 from surgery.analysis import probe as probe_graph
 from surgery.analysis import resumable as resumable_graph
-from surgery.blocks import find_blocks
 from surgery.cli import app
-from surgery.diagnostics import SECTIONS, diagnose, prefix
+from surgery.diagnostics import SECTIONS, DiagnoseSettings, diagnose, prefix
 from surgery.diagnostics.diagnose import PARALLEL, ablation_kind, switch_losses
 from surgery.diagnostics.rank import spearman
+from surgery.files import graph
+from surgery.measure import data, evaluate, runtime
+from surgery.measure.data import DataSettings
+from surgery.model.blocks import find_blocks
 from surgery.passes import ablate, compensate, parallelize
 
 runner = CliRunner()
@@ -29,7 +32,7 @@ def _tapped_run(model, ids):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_one_pass_defect_equals_two_separate_passes(fixture_path, family):
     path = fixture_path(family)
-    report = diagnose(path, seq_len=40, windows=3, only=("defect", "gate"), eval_windows=2)
+    report = diagnose(path, DiagnoseSettings(DataSettings(seq_len=40), windows=3, only=("defect", "gate"), eval_windows=2))
     model = graph.load(path)
     windows = data.windows(path, seq_len=40, max_windows=3, part="calibration")
     sums = np.zeros((3, 5))
@@ -53,7 +56,7 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tiny_export):
 
     tiny = tiny_export("gpt2", seed=7)
     folder = tiny.onnx
-    report = diagnose(folder, seq_len=24, windows=2, only=("deficit", "diversity"))
+    report = diagnose(folder, DiagnoseSettings(DataSettings(seq_len=24), windows=2, only=("deficit", "diversity")))
     reference = AutoModelForCausalLM.from_pretrained(tiny.hf, attn_implementation="eager").eval()
     windows = data.windows(folder, seq_len=24, max_windows=2, part="calibration")
     cosines = [[] for _ in range(3)]
@@ -82,7 +85,7 @@ def test_geometry_equals_loops_over_the_hooked_torch_model(tiny_export):
 
 def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     path = fixture_path("llama")
-    report = diagnose(path, seq_len=32, windows=2, eval_windows=4, only=("defect", "ablation"))  # 2 text, 2 sampled
+    report = diagnose(path, DiagnoseSettings(DataSettings(seq_len=32), windows=2, eval_windows=4, only=("defect", "ablation")))  # 2 text, 2 sampled
     model = graph.load(path)
     # the compensated single-layer runs: each block with the fix fitted on the calibration windows, alone
     fits = compensation.fit(model, data.windows(path, seq_len=32, max_windows=2, part="calibration"))
@@ -183,7 +186,7 @@ def test_resumed_run_reads_only_the_given_resid_pre(fixture_path):
 
 
 def test_parallel_blocks_report_defect_as_not_applicable(fixture_path):
-    report = diagnose(fixture_path("gpt_neox_parallel"), seq_len=32, windows=1, eval_windows=1, only=("defect", "gate", "diversity"))
+    report = diagnose(fixture_path("gpt_neox_parallel"), DiagnoseSettings(DataSettings(seq_len=32), windows=1, eval_windows=1, only=("defect", "gate", "diversity")))
     assert report.defect["c"] == [None] * 3 and report.defect["c_stream"] == [None] * 3
     assert report.defect["dnll_parallel"] == [None] * 3 and report.gate["alpha"] == [None] * 3
     assert report.defect["dnll_parallel_interval"] == [None] * 3
@@ -230,7 +233,7 @@ def test_prefix_sensitivity_matches_direct_runs(fixture_path):
 
 def test_diagnose_command_writes_a_report_people_can_open(tmp_path, fixture_path):
     jsonschema = pytest.importorskip("jsonschema")
-    from surgery.report import SCHEMA
+    from surgery.report.diagnosis import SCHEMA
 
     out = tmp_path / "report"
     args = ["diagnose", str(fixture_path("llama")), "-o", str(out), "--seq-len", "32", "--windows", "2", "--eval-windows", "2", "--json"]

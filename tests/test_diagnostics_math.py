@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from surgery.defect import DefectStats
+from surgery.analysis.defect import DefectStats
 from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
 from surgery.diagnostics.rank import spearman
 
@@ -52,10 +52,10 @@ def test_in_graph_statistics_equal_the_numpy_geometry(tokens):
     """stats.py's ONNX reductions equal geometry.py / DefectStats on random block tensors, to float64 error."""
     import onnx_ir as ir
 
-    from surgery import runtime
-    from surgery.defect import DefectStats
+    from surgery.analysis.defect import DefectStats
     from surgery.diagnostics import stats
     from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
+    from surgery.measure import runtime
 
     rng = np.random.default_rng(4)
     kinds = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "mlp_out_on_pre", "resid_post")

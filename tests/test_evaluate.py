@@ -6,9 +6,10 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import data, evaluate, graph, runtime, timing
 from surgery.cli import app
 from surgery.errors import SurgeryError
+from surgery.files import graph
+from surgery.measure import data, evaluate, runtime, timing
 from surgery.passes import ablate
 
 runner = CliRunner()

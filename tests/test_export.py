@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from surgery import export as export_module
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.export import export, resolve_source
+from surgery.files import export as export_module
+from surgery.files.export import export, resolve_source
 
 torch = pytest.importorskip("torch")
 runner = CliRunner()
@@ -97,7 +97,7 @@ def test_export_command(tmp_path):
 @pytest.mark.parametrize("exporter,past", [("optimum", True), ("dynamo", False)])
 def test_opset_is_the_one_asked_for(tmp_path, exporter, past):
     from graphs.make_fixtures import save_tiny
-    from surgery import graph
+    from surgery.files import graph
 
     hf = save_tiny("gpt2", tmp_path / "hf")
     result = export(str(hf), tmp_path / "onnx", exporter=exporter, past=past, opset=18 if exporter == "dynamo" else 17)
@@ -122,7 +122,8 @@ def _hf_logits(folder, ids, attention):
 def test_export_equals_the_hf_model_in_eager_attention(family, exporter, past, tiny_export):
     """The exported logits equal the HF model's with eager attention, the reference implementation, to float
     error; for Gemma 2 sdpa attention is 3e-3 away, so an export that used it fails here."""
-    from surgery import graph, runtime
+    from surgery.files import graph
+    from surgery.measure import runtime
 
     tiny = tiny_export(family, exporter=exporter, past=past, seed=0, **FAMILIES[family])  # Gemma 3 text: tests.helpers builds it
     ids = np.random.default_rng(0).integers(0, 512, size=(2, 11))

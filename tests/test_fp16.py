@@ -16,10 +16,18 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import evaluate, facts, graph, job, runtime
 from surgery.cli import app
+from surgery.compensation.fitting import FitSettings
 from surgery.errors import SurgeryError
-from surgery.export import export
+from surgery.files import graph
+from surgery.files.export import export
+from surgery.jobs import job
+from surgery.jobs.select import SelectionSettings
+from surgery.measure import evaluate, runtime
+from surgery.measure.data import DataSettings
+from surgery.measure.timing import LatencySettings
+from surgery.model.embedding import stream_dtype
+from surgery.model.subject import Subject
 from surgery.passes import Fix, ablate, compensate, fuse, parallelize
 
 torch = pytest.importorskip("torch")
@@ -107,7 +115,7 @@ def test_fp16_export_is_float16_throughout_and_runs_in_optimum(pair):
     assert "with KV cache, float16" in pair.cli.stdout
     assert json.loads((pair.fp16 / "config.json").read_text())["dtype"] == "float16"
     floats = {v.const_value.dtype for v in model.graph.initializers.values() if v.const_value.dtype.is_floating_point()}
-    assert floats == {ir.DataType.FLOAT16} and facts.stream_dtype(model) == ir.DataType.FLOAT16
+    assert floats == {ir.DataType.FLOAT16} and stream_dtype(model) == ir.DataType.FLOAT16
     io = {v.name: v.dtype for v in [*model.graph.inputs, *model.graph.outputs]}
     assert io["logits"] == ir.DataType.FLOAT16
     kv = [name for name in io if name.startswith(("past_key_values.", "present."))]
@@ -199,7 +207,7 @@ def test_fused_rmsnorm_squares_in_float32(pair):
 def test_fitted_fixes_in_fp16_match_the_fp32_fit(pair):
     """parallelize --layers 0,2 --compensate (and --fuse): the fit reads fp16 activations, sums in float64."""
     fits = [
-        job.fit_fixes(m, folder, {0, 2}, seq_len=64, fit_windows=8)
+        job.fit_fixes(Subject(m, str(folder)), {0, 2}, FitSettings(windows=8), DataSettings(seq_len=64))
         for m, folder in ((pair.m32, pair.fp32), (pair.m16, pair.fp16))
     ]
     assert set(fits[0]) == set(fits[1]) == {0, 2}
@@ -215,7 +223,9 @@ def test_fitted_fixes_in_fp16_match_the_fp32_fit(pair):
 
 def test_auto_selection_runs_on_fp16(pair, tmp_path):
     """parallelize --layers auto on the fp16 graph: fit, switchboard, greedy selection, written fp16 model."""
-    outcome, written = job.auto(pair.fp16, tmp_path / "auto", seq_len=64, windows=2, fit_windows=4, eval_windows=2, measure_latency=False)
+    settings = job.JobSettings(DataSettings(seq_len=64), FitSettings(windows=4), SelectionSettings(windows=2), eval_windows=2,
+                               latency=LatencySettings(measure=False))
+    outcome, written = job.auto(pair.fp16, tmp_path / "auto", settings)
     model = graph.load(written)
     assert np.isfinite(outcome.dnll_eval.dnll) and np.isfinite(outcome.selection.dnll.dnll)
     floats = {v.const_value.dtype for v in model.graph.initializers.values() if v.const_value.dtype.is_floating_point()}
@@ -228,10 +238,10 @@ def test_auto_selection_runs_on_fp16(pair, tmp_path):
 def test_smollm2_fp16_rewrite_loses_what_the_fp32_rewrite_loses(smollm2, smollm2_fp16):
     """parallel 5,22,25 then mlp tangential there: the fp16 loss is within 1e-3 nats of the fp32 rewrite's
     (measured +2.7e-4 on 8 windows of 128 tokens; +8e-5 for the unrewritten export)."""
-    from surgery import data
+    from surgery.measure import data
 
     m32, m16 = graph.load(smollm2), graph.load(smollm2_fp16)
-    assert facts.stream_dtype(m16) == ir.DataType.FLOAT16
+    assert stream_dtype(m16) == ir.DataType.FLOAT16
 
     def rewrite(m):
         return ablate(parallelize(m, {5, 22, 25}).model, "mlp", "tangential", {5, 22, 25}).model

@@ -1,7 +1,7 @@
 import pytest
 
 from surgery.errors import SurgeryError
-from surgery.layers import format_layers, parse_layers
+from surgery.model.layers import format_layers, parse_layers
 
 
 @pytest.mark.parametrize(

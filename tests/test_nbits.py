@@ -1,4 +1,4 @@
-"""MatMulNBits weights as arrays (surgery.nbits): what ONNX Runtime multiplies by, and requantization on the node's
+"""MatMulNBits weights as arrays (surgery.model.nbits): what ONNX Runtime multiplies by, and requantization on the node's
 own scales, round-to-nearest and error-aware."""
 
 import numpy as np
@@ -7,7 +7,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from surgery import nbits, runtime
+from surgery.measure import runtime
+from surgery.model import nbits
 
 K, N = 96, 40
 

@@ -13,8 +13,9 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import graph, output, runtime
 from surgery.cli import _QUIET_ENV, app
+from surgery.files import graph, output
+from surgery.measure import runtime
 
 runner = CliRunner()
 

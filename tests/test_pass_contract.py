@@ -9,14 +9,15 @@ import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
-from surgery import graph, metadata, runtime
 from surgery.analysis.switchboard import SWITCHES, Switch, switchboard, switches
 from surgery.cli import app
 from surgery.errors import SurgeryError
-from surgery.nodes import Emitter
+from surgery.files import graph, metadata
+from surgery.measure import runtime
+from surgery.model.nodes import Emitter
+from surgery.model.subject import Subject
 from surgery.passes import PASSES, Change, Pass, ablate, register, rewrite
 from surgery.passes.common import float_dtype, node_name
-from surgery.subject import Subject
 
 # ---- the pass module: surgery/passes/scale_attn.py would hold exactly this (and `register(ScaleAttn())`) ----
 NAME = "scale_attn"

@@ -2,10 +2,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import facts, graph, metadata, runtime
 from surgery.analysis import probe as probe_graph
-from surgery.blocks import find_blocks
 from surgery.errors import SurgeryError
+from surgery.files import graph, metadata
+from surgery.measure import runtime
+from surgery.model.blocks import find_blocks
+from surgery.model.embedding import stream_dtype
 from surgery.passes import MODES, ablate, parallelize
 
 torch = pytest.importorskip("torch")
@@ -173,7 +175,7 @@ def test_normalised_branch_outputs_are_found_and_refuse_folding(tiny):
 
 def test_fuse_refuses_an_rmsnorm_whose_epsilon_it_cannot_read(fixture_path):
     """A decomposed RMSNorm whose epsilon is computed, not a constant: --fuse says so instead of assuming one."""
-    from surgery.blocks import block_norms
+    from surgery.model.blocks import block_norms
     from surgery.passes import fuse
 
     model = graph.load(fixture_path("llama"))
@@ -194,7 +196,7 @@ def test_fuse_refuses_an_rmsnorm_whose_epsilon_it_cannot_read(fixture_path):
 
 def test_the_stream_dtype_comes_from_the_graph_or_the_tap_fails(fixture_path):
     model = graph.load(fixture_path("llama"))
-    assert facts.stream_dtype(model) == ir.DataType.FLOAT
+    assert stream_dtype(model) == ir.DataType.FLOAT
     untyped = next(v.name for n in model.graph for v in n.outputs if v.dtype is None)
     table = next(n for n in model.graph if n.op_type == "Gather" and n.inputs[0].is_initializer())
     table.inputs[0].dtype = None  # nothing in the graph says what the stream is any more

@@ -1,4 +1,4 @@
-"""llama.cpp's `perplexity --kl-divergence` statistics (surgery.quality) against a transcription of llama.cpp's
+"""llama.cpp's `perplexity --kl-divergence` statistics (surgery.measure.quality) against a transcription of llama.cpp's
 accumulators in NumPy on both graphs' raw logits, and its uncertainty formulas against simulation."""
 
 import json
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from surgery import data, evaluate, graph, quality, runtime
 from surgery.cli import app
+from surgery.files import graph
+from surgery.measure import data, evaluate, quality, runtime
 from surgery.passes import ablate, parallelize
 
 runner = CliRunner()

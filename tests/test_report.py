@@ -8,9 +8,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import graph
 from surgery.errors import SurgeryError
-from surgery.report import _FORM_COLOR, selection_picture
+from surgery.files import graph
+from surgery.jobs.picture import _FORM_COLOR, selection_picture
 
 
 def sample_outcome() -> dict:

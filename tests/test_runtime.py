@@ -12,7 +12,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from surgery import evaluate, graph, runtime, timing
+from surgery.files import graph
+from surgery.jobs.select import SelectionSettings
+from surgery.measure import evaluate, runtime, timing
+from surgery.measure.cluster import Resources
+from surgery.measure.data import DataSettings
+from surgery.measure.timing import LatencySettings
 from tests.conftest import ROOT
 
 
@@ -269,14 +274,16 @@ def test_the_speedup_estimate_is_profiled_where_the_latency_runs(cuda_asked, fix
 
 
 def test_the_main_job_profiles_its_estimate_with_the_latencys_options(monkeypatch, fixture_path, tmp_path):
-    from surgery import job
+    from surgery.jobs import job
 
     seen = {}
     real = timing.branch_times
     monkeypatch.setattr(timing, "branch_times", lambda model, **kw: seen.setdefault("estimate", kw["options"]) and real(model, **kw))
     monkeypatch.setattr(timing, "latency", lambda models, **kw: seen.setdefault("latency", kw["options"]) and [_cuda_latency()] * 2)
     options = runtime.Options(device="cpu", threads=1)
-    outcome, _ = job.auto(fixture_path("llama"), tmp_path / "out", seq_len=16, windows=2, eval_windows=1, fit=None, repeats=1, options=options)
+    settings = job.JobSettings(DataSettings(seq_len=16), None, SelectionSettings(windows=2), eval_windows=1, latency=LatencySettings(repeats=1),
+                               resources=Resources(options))
+    outcome, _ = job.auto(fixture_path("llama"), tmp_path / "out", settings)
     assert seen == {"estimate": options, "latency": options}
     assert outcome.estimate_placement == "CPU"
 
@@ -311,11 +318,11 @@ def test_the_cuda_benchmark_smoke_run_needs_only_the_gpu_machines_packages_and_p
 
 
 def test_the_cuda_equality_check_smoke_run_scores_each_fixture_like_evaluate():
-    """CPU against CPU: each fixture's row is surgery.evaluate's numbers for the fixture and its all-block plain parallel
+    """CPU against CPU: each fixture's row is surgery.measure.evaluate's numbers for the fixture and its all-block plain parallel
     rewrite on 16 windows of 32 ids drawn by NumPy's generator seeded 0."""
-    from surgery import data
-    from surgery.blocks import find_blocks
-    from surgery.job import rewrite
+    from surgery.jobs.job import rewrite
+    from surgery.measure import data
+    from surgery.model.blocks import find_blocks
 
     done = _smoke("cuda_equal.py")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -391,13 +398,13 @@ def test_the_torch_twin_of_each_block_form_computes_what_surgerys_graph_of_that_
     """cuda_torch.py's forms, weights read from the synthetic graph, against ORT on the original and on surgery's plain
     and fused rewrites of the later block alone and of both: prefill logits and present, then one decode step."""
     import cuda_torch
-    import synthetic
+    import common
     import torch
 
-    from surgery.job import rewrite
+    from surgery.jobs.job import rewrite
 
-    shape = {**synthetic.TINY, "dtype": "float32"}
-    model = synthetic.llama_shaped(**shape)
+    shape = {**common.TINY, "dtype": "float32"}
+    model = common.llama_shaped(**shape)
     gains = np.random.default_rng(2)
     for name, value in model.graph.initializers.items():  # gains other than ones, so a fold that mixes them up shows
         if name.startswith(("ln1.", "ln2.", "ln_f.")):

@@ -5,13 +5,18 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from surgery import data, evaluate, graph, runtime
-from surgery.blocks import find_blocks
 from surgery.cli import app
+from surgery.compensation.fitting import FitSettings
+from surgery.diagnostics import DiagnoseSettings
 from surgery.errors import SurgeryError
-from surgery.job import rewrite
+from surgery.files import graph
+from surgery.jobs.job import rewrite
+from surgery.jobs.select import Budget, SelectionSettings, _forms, select_layers
+from surgery.measure import data, evaluate, runtime
+from surgery.measure.data import DataSettings
+from surgery.measure.timing import LatencySettings
+from surgery.model.blocks import find_blocks
 from surgery.passes import Fix, ablate, fuse, parallelize
-from surgery.select import Budget, _forms, select_layers
 
 runner = CliRunner()
 
@@ -25,7 +30,7 @@ def test_greedy_selection_keeps_only_what_fits(fixture_path):
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=32, max_windows=3, part="calibration")
-    everything = select_layers(model, windows, fit=None, budget=Budget(None, 10.0))
+    everything = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(None, 10.0)))
     assert everything.layers == (0, 1, 2) and everything.forward_passes == 1 + 3
     scores = [everything.c_stream[t.layer] for t in everything.trials]
     assert scores == sorted(scores)  # lowest defect first
@@ -34,19 +39,20 @@ def test_greedy_selection_keeps_only_what_fits(fixture_path):
     assert everything.dnll.dnll == pytest.approx(evaluate.perplexity(parallelize(model, everything.layers).model, windows).loss - base, abs=1e-5)
     assert everything.dnll.low <= everything.dnll.dnll <= everything.dnll.high
 
-    nothing = select_layers(model, windows, fit=None, budget=Budget(1e-9, None))
+    nothing = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(1e-9, None)))
     assert nothing.layers == () and not any(t.kept for t in nothing.trials) and len(nothing.trials) == 3
-    capped = select_layers(model, windows, fit=None, budget=Budget(None, 10.0), max_layers=1)
+    capped = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(None, 10.0), max_layers=1))
     assert len(capped.layers) == 1 and capped.layers[0] == everything.trials[0].layer
-    protected = select_layers(model, windows, fit=None, budget=Budget(None, 10.0), protect_first=1, protect_last=1)
+    protected = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(None, 10.0), protect_first=1, protect_last=1))
     assert protected.layers == (1,)
 
 
 def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
     """A trial that adds block l starts at block l from the accepted set's stream; its KL, top-1 and dNLL are those
     of the written graph of the whole set, scored from block 0, whatever was accepted before it."""
-    from surgery import cluster, compensation
-    from surgery.trials import Trials
+    from surgery import compensation
+    from surgery.jobs.trials import Trials
+    from surgery.measure import cluster
 
     path = fixture_path("llama")
     model = graph.load(path)
@@ -72,8 +78,8 @@ def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
 def test_parallel_models_have_nothing_to_select(fixture_path):
     path = fixture_path("gpt_neox_parallel")
     windows = data.windows(path, seq_len=32, max_windows=2, part="calibration")
-    for fit in (None, "full"):
-        selection = select_layers(graph.load(path), windows, fit_windows=windows, fit=fit, budget=Budget(None, 10.0))
+    for fit in (None, FitSettings()):
+        selection = select_layers(graph.load(path), windows, fit_windows=windows, fit=fit, settings=SelectionSettings(Budget(None, 10.0)))
         assert selection.layers == () and selection.trials == () and selection.c == (None, None, None)
 
 
@@ -136,7 +142,7 @@ def test_fused_blocks_refuse_ablation_and_diagnosis(fixture_path, tmp_path):
     assert ablate(model, "mlp", "radial", {0}).changed_layers == (0,)  # other blocks still can
     written = graph.write(model, tmp_path / "fused", like=fixture_path("llama"))
     with pytest.raises(SurgeryError, match="has fused blocks"):
-        diagnose(written.parent, seq_len=32, windows=1)
+        diagnose(written.parent, DiagnoseSettings(DataSettings(seq_len=32), windows=1))
 
 
 def test_auto_command_writes_the_model_and_selection_json(tmp_path, fixture_path):
@@ -181,9 +187,9 @@ def test_a_kl_budget_keeps_the_chosen_set_inside_it(fixture_path):
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=32, max_windows=4, part="calibration")
-    free = select_layers(model, windows, fit=None, budget=Budget(None, 10.0))
+    free = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(None, 10.0)))
     limit = sorted(t.kl for t in free.trials)[1] * 1.01  # between the trials' KLs: binding, not everything
-    chosen = select_layers(model, windows, fit=None, budget=Budget(limit, None))
+    chosen = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(limit, None)))
     assert 0 < len(chosen.layers) < 3 and chosen.divergence.kl <= limit
     assert all((t.kl <= limit) == t.kept for t in chosen.trials)
 
@@ -218,7 +224,7 @@ def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_pat
     cal = data.windows(path, seq_len=32, max_windows=20, part="calibration")
     fit_windows, windows = data.deal(cal, [16, 4], ["fit", "selection"])
     assert not set(fit_windows.starts) & set(windows.starts)
-    selection = select_layers(model, windows, fit_windows=fit_windows, budget=Budget(None, 10.0), try_both=True)
+    selection = select_layers(model, windows, fit_windows=fit_windows, settings=SelectionSettings(Budget(None, 10.0), try_both=True))
     assert selection.layers == (0, 1, 2) and set(selection.forms.values()) <= {"compensated", "plain"}
     assert [t.form for t in selection.trials] == ["compensated", "plain"] * 3  # both forms, every candidate
     assert selection.score == "c_comp"
@@ -241,7 +247,7 @@ def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_pat
 
 
 def test_plain_is_tried_after_a_failed_compensated_trial_only_for_a_bad_fit():
-    from surgery.equations import FitResult
+    from surgery.compensation.equations import FitResult
 
     good = FitResult(0, Fix.gate(0.9), None, 0.4, 0.01, 100, scores={"c_stream": 0.02})
     bad = dataclasses.replace(good, residual=1.7)
@@ -257,7 +263,7 @@ def test_refit_with_the_chosen_blocks_in_place(fixture_path):
     path = fixture_path("gpt2")
     model = graph.load(path)
     fit_windows, windows = data.deal(data.windows(path, seq_len=32, max_windows=20, part="calibration"), [16, 4], ["fit", "selection"])
-    selection = select_layers(model, windows, fit_windows=fit_windows, budget=Budget(None, 10.0), refit=True)
+    selection = select_layers(model, windows, fit_windows=fit_windows, settings=SelectionSettings(Budget(None, 10.0), refit=True))
     r = selection.refit
     assert r is not None and r["layers"] == sorted(l for l, f in selection.forms.items() if f == "compensated")
     assert r["dnll_before"]["dnll"] != r["dnll_after"]["dnll"]  # the refit changed the fixes
@@ -302,9 +308,9 @@ def test_patience_stops_after_that_many_misses_in_a_row(fixture_path):
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=32, max_windows=4, part="calibration")
-    stopped = select_layers(model, windows, fit=None, budget=Budget(1e-9, None), patience=2)
+    stopped = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(1e-9, None), patience=2))
     assert len(stopped.trials) == 2 and not stopped.layers and stopped.candidates == 3 and "2 candidates in a row" in stopped.stopped
-    every = select_layers(model, windows, fit=None, budget=Budget(1e-9, None))
+    every = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(1e-9, None)))
     assert len(every.trials) == 3 and every.stopped is None
 
 
@@ -339,7 +345,8 @@ def test_a_compensation_that_cannot_be_made_is_never_silent(fixture_path, tmp_pa
 def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, tmp_path, monkeypatch):
     import onnx
 
-    from surgery import compensation, job
+    from surgery import compensation
+    from surgery.jobs import job
 
     folder = tmp_path / "llama"
     folder.mkdir()
@@ -352,7 +359,8 @@ def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, 
     onnx.save(proto, folder / "model.onnx")
     monkeypatch.setattr(compensation, "fit", lambda *a, **k: pytest.fail("the fit ran before the refusal"))
     with pytest.raises(SurgeryError, match="cannot fuse block 1: the normalisations' epsilon is not one constant"):
-        job.auto(folder, tmp_path / "out", fused=True, seq_len=32, windows=2, fit_windows=4, eval_windows=2, measure_latency=False)
+        job.auto(folder, tmp_path / "out", job.JobSettings(DataSettings(seq_len=32), FitSettings(windows=4), SelectionSettings(windows=2), eval_windows=2,
+                                                       fused=True, latency=LatencySettings(measure=False)))
     assert not (tmp_path / "out").exists()
     monkeypatch.undo()
     result = runner.invoke(app, ["parallelize", str(folder), "--fuse", "--protect-first", "2", "--seq-len", "32", "--windows", "2",
@@ -361,15 +369,16 @@ def test_auto_fuse_refuses_a_block_it_cannot_fuse_before_any_work(fixture_path, 
 
 
 def test_fit_memory_sets_the_passes_and_the_fit_reports_its_time_split(fixture_path, tmp_path):
-    from surgery.equations import NormalEquations
-    from surgery.facts import embedding_table
+    from surgery.compensation.equations import NormalEquations
+    from surgery.model.embedding import embedding_table
 
     path = fixture_path("llama")
     model = graph.load(path)
     windows = data.windows(path, seq_len=16, max_windows=4, part="calibration")
     one_layer = NormalEquations.nbytes(embedding_table(model)[1])
-    tight = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory=one_layer)
-    loose = select_layers(model, windows, fit_windows=windows, budget=Budget(None, 10.0), fit_memory="1G")
+    loose_budget = SelectionSettings(Budget(None, 10.0))
+    tight = select_layers(model, windows, fit_windows=windows, fit=FitSettings(memory=one_layer), settings=loose_budget)
+    loose = select_layers(model, windows, fit_windows=windows, fit=FitSettings(memory="1G"), settings=loose_budget)
     assert (tight.fit_passes, loose.fit_passes) == (6, 2)  # each chunk: the input side's pass and the output side's
     # ORT fuses the graphs of one and of three blocks differently: float32 activations a few ulps apart
     assert tight.layers == loose.layers and tight.c_comp == pytest.approx(loose.c_comp, rel=1e-5)

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from surgery import graph
-from surgery.blocks import find_blocks
 from surgery.cli import app
+from surgery.files import graph
+from surgery.jobs.job import JobSettings
+from surgery.measure.timing import LatencySettings
+from surgery.model.blocks import find_blocks
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,7 +29,7 @@ def reference():
     """The HF torch model, loaded once from the same GGUF file (eager attention: hooks see every tensor)."""
     from transformers import AutoModelForCausalLM
 
-    from surgery.export import resolve_source
+    from surgery.files.export import resolve_source
 
     src = resolve_source("smollm2-135m")
     return AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, attn_implementation="eager").eval()
@@ -45,7 +47,7 @@ def test_inspect_shows_30_sequential_blocks(smollm2):
 def test_found_tensors_equal_the_hooked_torch_model(smollm2, reference):
     from tokenizers import Tokenizer
 
-    from surgery.data import default_corpus
+    from surgery.measure.data import default_corpus
     from tests.helpers import Tol, assert_found_tensors_equal_hooked
 
     tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
@@ -58,7 +60,7 @@ def test_passes_match_the_hooked_torch_model(smollm2, reference):
     """parallel 5,22,25 and mlp tangential on all layers: ORT logits on 256 tokens equal hooked torch to 1e-3."""
     from tokenizers import Tokenizer
 
-    from surgery.data import default_corpus
+    from surgery.measure.data import default_corpus
     from surgery.passes import ablate, parallelize
     from tests.helpers import Tol, assert_logits_equal
     from tests.reference import edited_logits
@@ -76,7 +78,7 @@ def test_passes_match_the_hooked_torch_model(smollm2, reference):
 def test_loss_equals_the_torch_model(smollm2, reference):
     """ORT loss on built-in text windows equals the HF torch model's loss on the same windows to 1e-3 nats."""
 
-    from surgery import data, evaluate
+    from surgery.measure import data, evaluate
 
     windows = data.windows(smollm2, "text", seq_len=256, max_windows=4)
     got = evaluate.perplexity(smollm2, windows, batch_size=2)
@@ -93,10 +95,10 @@ def test_auto_parallel_with_defaults_keeps_eight_blocks_within_the_kl_budget_and
     within KL 0.05 on the held-out windows (8 on the built-in corpus of text and the model's own samples, 2026-12-05;
     12 on the Python reference alone before, whose budget did not hold on other text). Held out, dNLL is only held to
     its interval: on 4080 text tokens that is about +-0.01, half the limit."""
-    from surgery import data
-    from surgery.job import auto, rewrite
+    from surgery.jobs.job import auto, rewrite
+    from surgery.measure import data
 
-    outcome, written = auto(smollm2, tmp_path / "auto", measure_latency=False)
+    outcome, written = auto(smollm2, tmp_path / "auto", JobSettings(latency=LatencySettings(measure=False)))
     sel = outcome.selection
     assert len(sel.layers) >= 8 and outcome.divergence_eval.kl <= 0.05 and outcome.dnll_eval.low <= 0.02
     assert sel.dnll.dnll <= 0.02 and sel.divergence.kl <= 0.05
@@ -129,7 +131,7 @@ def genai(smollm2, reference, tmp_path_factory):
 
 
 def test_genai_builder_graph_measures_like_the_optimum_export(smollm2, genai):
-    from surgery import data, evaluate
+    from surgery.measure import data, evaluate
     from surgery.passes import ablate, parallelize
 
     assert [b.form for b in find_blocks(graph.load(genai))] == ["sequential"] * 30
@@ -154,7 +156,7 @@ def test_rewritten_genai_folder_generates_like_the_hooked_torch_model(smollm2, g
     from tokenizers import Tokenizer
 
     from graphs.deployed import genai_greedy
-    from surgery.data import default_corpus
+    from surgery.measure.data import default_corpus
     from tests.reference import greedy
 
     result = CliRunner().invoke(app, ["parallelize", str(genai), "--layers", "5,22,25", "-o", str(tmp_path / "out")])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from surgery import nodes
-from surgery.blocks import BlockMap, branch_nodes
-from surgery.facts import stream_dtype
+from surgery.model import nodes
+from surgery.model.blocks import BlockMap, branch_nodes
+from surgery.model.embedding import stream_dtype
 
 FIELD_IN, FIELD_OUT = "surgery_z", "surgery_field"
 

@@ -4,7 +4,7 @@ attn_out, P = mlp(ln2(resid_pre)), delta = mlp(ln2(resid_mid)) - P and resid_pos
 each block's mlp is evaluated a second time, on the input its branch does not read. Where W_o and W_down are
 MatMulNBits, also their inputs (INPUT_TAPS); in the input side's stage, ln2(resid_pre) and ln2(resid_mid) as the
 mlp reads them instead (MLP_IN_TAPS). A graph can resume from an earlier pass's stream (RESUME) and hand its own on
-(STREAM), so each pass of surgery.compensation.fit runs only its own blocks.
+(STREAM), so each pass of surgery.compensation.fitting.fit runs only its own blocks.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import metadata
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.probe import twin_branch
 from surgery.analysis.switchboard import Switch
-from surgery.blocks import BlockMap, branch_nodes
-from surgery.nodes import Emitter, values_by_name
+from surgery.files import metadata
+from surgery.model.blocks import BlockMap, branch_nodes
+from surgery.model.nodes import Emitter, values_by_name
+from surgery.model.subject import Subject
 from surgery.passes import Compensation, Fix, projection
 from surgery.passes.compensate import NAME as COMPENSATE
 from surgery.passes.compensate import input_fixed, mlp_inputs, redirect_readers, switch_weights
-from surgery.subject import Subject
 
 Form = Literal["compensated", "plain"]  # a parallel block with its fix folded in, or without
 PARALLEL = Switch(metadata.PARALLELIZE)

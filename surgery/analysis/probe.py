@@ -9,12 +9,14 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from surgery import defect, nodes, runtime
-from surgery.blocks import branch_nodes
+from surgery.analysis import defect
 from surgery.errors import SurgeryError
-from surgery.facts import stream_dtype
-from surgery.nodes import values_by_name
-from surgery.subject import Subject
+from surgery.measure import runtime
+from surgery.model import nodes
+from surgery.model.blocks import branch_nodes
+from surgery.model.embedding import stream_dtype
+from surgery.model.nodes import values_by_name
+from surgery.model.subject import Subject
 
 TENSORS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 

@@ -10,9 +10,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery.blocks import BlockMap
-from surgery.facts import stream_dtype
-from surgery.nodes import Emitter, if_else, values_by_name
+from surgery.model.blocks import BlockMap
+from surgery.model.embedding import stream_dtype
+from surgery.model.nodes import Emitter, if_else, values_by_name
 
 START, RESUME = "surgery_start", "surgery_resid_pre"
 

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from surgery import nodes
-from surgery.blocks import BlockMap, Branch
 from surgery.errors import SurgeryError
-from surgery.nodes import Emitter, values_by_name
+from surgery.model import nodes
+from surgery.model.blocks import BlockMap, Branch
+from surgery.model.nodes import Emitter, values_by_name
+from surgery.model.subject import Subject
 from surgery.passes import PASSES
 from surgery.passes.common import float_dtype
-from surgery.subject import Subject
 
 SWITCHES = "surgery_switches"
 

@@ -5,6 +5,6 @@ geometry.py is their NumPy reference, critical.py finds the mlp field's zeros, p
 sensitivity, rank.py holds Spearman's rank correlation.
 """
 
-from surgery.diagnostics.diagnose import SECTIONS, Diagnosis, diagnose
+from surgery.diagnostics.diagnose import SECTIONS, DiagnoseSettings, Diagnosis, diagnose
 
-__all__ = ["SECTIONS", "Diagnosis", "diagnose"]
+__all__ = ["SECTIONS", "DiagnoseSettings", "Diagnosis", "diagnose"]

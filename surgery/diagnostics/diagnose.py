@@ -12,7 +12,7 @@ its seeds), the compensation fit, `_prefix`, and `_losses` (the switchboard's ru
 report.json). `ProbeWindows` and `LossWindows` are the per-window sessions, here or on Ray actors.
 
 With `checkpoints`, each step's result (the fit's units, each evaluation window's loss runs) is kept in a work
-folder beside the report and a rerun of the same diagnose resumes from it (surgery.checkpoint).
+folder beside the report and a rerun of the same diagnose resumes from it (surgery.files.checkpoint).
 """
 
 from __future__ import annotations
@@ -25,23 +25,27 @@ from pathlib import Path
 
 import numpy as np
 
-from surgery import __version__, cluster, compensation, data, evaluate, graph, memory, runtime
+from surgery import __version__, compensation
 from surgery.analysis import field, probe, resumable, switchboard
+from surgery.analysis.defect import DefectStats
 from surgery.analysis.switchboard import Switch
-from surgery.checkpoint import Checkpoints, digest, model_digest, reached
-from surgery.defect import DefectStats
+from surgery.compensation.equations import fixes as fixes_of
+from surgery.compensation.fitting import FitSettings
 from surgery.diagnostics import critical as crit
 from surgery.diagnostics import prefix, stats
 from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.sections import deficit, diversity
-from surgery.equations import fixes as fixes_of
 from surgery.errors import SurgeryError
-from surgery.facts import embedding_table
+from surgery.files import graph
+from surgery.files.checkpoint import Checkpoints, digest, model_digest, reached
+from surgery.measure import cluster, data, evaluate, runtime
+from surgery.measure.data import DataSettings
+from surgery.measure.progress import Tell, silent
+from surgery.model.embedding import embedding_table
+from surgery.model.subject import Subject
 from surgery.passes import Ablation, Compensation
 from surgery.passes.common import narrower_than_float32
-from surgery.progress import Tell, silent
-from surgery.subject import Subject
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 PROBED = frozenset(("deficit", "diversity", "defect", "gate", "critical"))  # the sections that need the probe's pass
@@ -68,7 +72,7 @@ CHUNK = 8  # single-layer loss runs of a window per job (a job is a few seconds 
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
-    """What diagnose() measured: one field per section of report.json (surgery/report.schema.json), each in
+    """What diagnose() measured: one field per section of report.json (surgery/report/schema.json), each in
     its report.json form; a section that was not asked for is None.
 
     Attributes:
@@ -101,32 +105,43 @@ class Diagnosis:
         return head | {name: getattr(self, name) for name in SECTIONS if getattr(self, name) is not None}
 
 
-def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | None = None, **kwargs) -> Diagnosis:
-    """Run the selected diagnostics and return them as a Diagnosis (`to_json()`: the report, see surgery/report.schema.json).
+@dataclasses.dataclass(frozen=True)
+class DiagnoseSettings:
+    """What diagnose measures and on which windows: the command's Measure and Data options, read once.
+
+    Attributes:
+        data: where the windows come from (`--data`, `--seq-len`, `--tokenizer`).
+        windows: calibration windows, for the scores and the fit (`--windows`).
+        eval_windows: evaluation windows, for the losses (`--eval-windows`).
+        only: the sections to run, of SECTIONS (`--only`).
+        critical_seeds: data seeds of each layer's critical-point search (at least 1).
+        seed: of the prefix sensitivity's random draws.
+    """
+
+    data: DataSettings = DataSettings()
+    windows: int = 4
+    eval_windows: int = 4
+    only: tuple[str, ...] = SECTIONS
+    critical_seeds: int = 4
+    seed: int = 0
+
+
+def diagnose(model_path: str | Path, settings: DiagnoseSettings = DiagnoseSettings(), resources: cluster.Resources = cluster.Resources(),
+             progress: Tell | None = None, checkpoints: str | Path | None = None, restart: bool = False) -> Diagnosis:
+    """Run the selected diagnostics and return them as a Diagnosis (`to_json()`: the report, see surgery/report/schema.json).
 
     Scores and the compensation fit stream over the calibration windows; losses use the disjoint evaluation windows. With workers / ray the numbers
     are those of the in-process run, which runs two jobs (windows, chunks of loss runs) at a time when ORT picks the threads (cluster.concurrency).
 
     Args:
         model_path: the exported model: an .onnx file, or a folder holding one (and its tokenizer.json).
-        workers: score the windows on a local Ray cluster of that many CPUs (cluster.py); None: in this process.
-        ray: score them on the Ray cluster at that address instead.
-        **kwargs (Any): the keyword arguments below.
-
-    Keyword Args:
-        corpus (str | Path | None): a .txt or .jsonl corpus; None: the built-in one (see `windows`).
-        seq_len (int): tokens per window (default 256).
-        windows (int): calibration windows, for the scores and the fit (default 4).
-        eval_windows (int): evaluation windows, for the losses (default 4).
-        only (tuple[str, ...]): the sections to run, of SECTIONS (default: all of them).
-        critical_seeds (int): data seeds of each layer's critical-point search (default 4; at least 1).
-        tokenizer (str | Path | None): a tokenizer.json (or its folder) when the model's folder has none.
-        options (runtime.Options): ONNX Runtime session options (with the analysis graphs' buffer plan off: runtime.analysis).
-        progress (Callable[[str, int, int], None] | None): called as progress(stage, done, total).
-        seed (int): of the prefix sensitivity's random draws (default 0).
-        checkpoints (str | Path | None): the report's folder: finished steps are kept in the work folder beside it, and a diagnose of the same
-            model, windows and options resumes from them; removed when diagnose returns. None (default): nothing kept.
-        restart (bool): discard that work folder first.
+        settings: the sections, the windows and the seeds (DiagnoseSettings).
+        resources: ONNX Runtime session options (with the analysis graphs' buffer plan off: runtime.analysis), and a Ray cluster to score the
+            windows on (`workers`: a local one of that many CPUs; `ray`: the one at that address); neither: this process.
+        progress: called as progress(stage, done, total).
+        checkpoints: the report's folder: finished steps are kept in the work folder beside it, and a diagnose of the same model, windows and
+            options resumes from them; removed when diagnose returns. None (default): nothing kept.
+        restart: discard that work folder first.
 
     Returns:
         The Diagnosis: one field per report.json section that ran, with the model, the windows and each step's seconds.
@@ -135,45 +150,29 @@ def diagnose(model_path: str | Path, *, workers: int | None = None, ray: str | N
         SurgeryError: an unknown section, fused blocks, critical_seeds below 1, a Ray cluster it cannot use, a work folder of another diagnose, or
             what `load` and `windows` raise.
     """
-    options = runtime.analysis(kwargs.pop("options", runtime.Options()))
-    with cluster.pool(workers, ray, concurrent=cluster.concurrency(options), device=options.device) as pool:
-        return _diagnose(model_path, pool=pool, options=options, **kwargs)
+    options = runtime.analysis(resources.options)
+    with resources.pool(concurrent=cluster.concurrency(options)) as pool:
+        return _diagnose(model_path, settings, options, pool, progress or silent, checkpoints, restart)
 
 
-def _diagnose(
-    model_path: str | Path,
-    *,
-    corpus: str | Path | None = None,
-    seq_len: int = 256,
-    windows: int = 4,
-    eval_windows: int = 4,
-    only: tuple[str, ...] = SECTIONS,
-    critical_seeds: int = 4,
-    tokenizer: str | Path | None = None,
-    options: runtime.Options = runtime.Options(),
-    progress: Tell | None = None,
-    seed: int = 0,
-    pool: cluster.Pool = cluster.Pool(),
-    checkpoints: str | Path | None = None,
-    restart: bool = False,
-) -> Diagnosis:
+def _diagnose(model_path: str | Path, settings: DiagnoseSettings, options: runtime.Options = runtime.Options(), pool: cluster.Pool = cluster.Pool(),
+              tell: Tell = silent, checkpoints: str | Path | None = None, restart: bool = False) -> Diagnosis:
     """The steps in order, each timed: the probe's scores (and critical points), the compensation fit, prefix
     sensitivity, the loss runs; then the sections built from them."""
+    only, critical_seeds, seed, seq_len = settings.only, settings.critical_seeds, settings.seed, settings.data.seq_len
     unknown = set(only) - set(SECTIONS)
     if unknown:
         raise SurgeryError(f"unknown diagnostic {', '.join(sorted(unknown))}; choose from {','.join(SECTIONS)}")
-    tell = progress or silent
-    model = Subject.load(model_path)  # read once: every step below takes it
+    model = Subject.load(model_path)  # read once: every step below takes it (the windows' samples too)
     blocks = model.blocks
     if any(b.fused for b in blocks):
         raise SurgeryError(f"{model_path} has fused blocks, whose attn_out and mlp_out are one MatMul; diagnose the model before `--fuse`")
     n = len(blocks)
-    read = functools.partial(data.windows, model_path, corpus, seq_len=seq_len, tokenizer=tokenizer)
-    cal = read(max_windows=windows, part="calibration")
+    cal = settings.data.windows(model, settings.windows, "calibration")
     about = {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]}
     read_windows = {"calibration": cal.describe()}
     seconds: dict[str, float] = {}
-    ev = read(max_windows=eval_windows, part="evaluation") if "defect" in only or "ablation" in only else None
+    ev = settings.data.windows(model, settings.eval_windows, "evaluation") if "defect" in only or "ablation" in only else None
     work = Checkpoints.off()
     if checkpoints is not None:
         work = Checkpoints.open(checkpoints, {"model": model_digest(model_path, model.model),
@@ -187,7 +186,7 @@ def _diagnose(
         fits: dict = {}
         if "defect" in only:
             with _timed(seconds, "fit"):
-                fits = compensation.fit(model, cal, options=options, pool=pool, memory_bytes=memory.memory_bound(None),
+                fits = compensation.fit(model, cal, settings=FitSettings(memory=None), options=options, pool=pool,
                                         progress=lambda d, t: tell("compensation fit", d, t), work=work.scope("fit"))
         sensitivity = None
         if "prefix" in only and (sensitivity := work.load("prefix")) is None:

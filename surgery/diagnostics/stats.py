@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 from threadpoolctl import threadpool_limits
 
-from surgery.nodes import Emitter
+from surgery.model.nodes import Emitter
 
 POINTS = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
 _TINY = 1e-30

@@ -16,10 +16,10 @@ from typing import Literal, get_args
 import numpy as np
 import onnx_ir as ir
 
-from surgery import metadata
-from surgery.blocks import BlockMap, Branch
 from surgery.errors import SurgeryError
-from surgery.nodes import Emitter
+from surgery.files import metadata
+from surgery.model.blocks import BlockMap, Branch
+from surgery.model.nodes import Emitter
 from surgery.passes.common import Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
 from surgery.passes.driver import rewrite
 

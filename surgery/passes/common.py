@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 
-from surgery import __version__, metadata
-from surgery.blocks import BlockMap
-from surgery.facts import stream_dtype
-from surgery.layers import checked
+from surgery import __version__
+from surgery.files import metadata
+from surgery.model.blocks import BlockMap
+from surgery.model.embedding import stream_dtype
+from surgery.model.layers import checked
 
 if TYPE_CHECKING:
-    from surgery.subject import Subject
+    from surgery.model.subject import Subject
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ so resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b with the 
 is folded into the mlp's input projections too, W <- (I + w_in) W, b <- b + b_in W (a bias Add where one had none
 and b_in is given), so the mlp reads ln2(resid_pre) (I + w_in) + b_in at no extra cost. Products are taken in
 float64 and rounded once to each weight's own type (an fp16 graph stays fp16); MatMulNBits weights are requantized on
-the node's own scales and zero points (the fit's error-aware codes in Fix.packed, else rounded to nearest: surgery.nbits).
+the node's own scales and zero points (the fit's error-aware codes in Fix.packed, else rounded to nearest: surgery.model.nbits).
 New weights are new initializers: an external data file is never modified, and only the projections of each chosen
 block that its fix folds into are read.
 """
@@ -23,17 +23,18 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from surgery import metadata, nbits, nodes
-from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
-from surgery.layers import checked
-from surgery.metadata import tag
-from surgery.nodes import Emitter, values_by_name
+from surgery.files import metadata
+from surgery.files.metadata import tag
+from surgery.model import nbits, nodes
+from surgery.model.blocks import BlockMap, branch_nodes
+from surgery.model.layers import checked
+from surgery.model.nodes import Emitter, values_by_name
+from surgery.model.subject import Subject
 from surgery.passes import projection
 from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
 from surgery.passes.driver import rewrite
 from surgery.passes.fix import Fix
-from surgery.subject import Subject
 
 NAME = "compensate"
 

@@ -17,9 +17,9 @@ from typing import Any
 import onnx_ir as ir
 
 from surgery.errors import SurgeryError
-from surgery.metadata import PASS, tag
+from surgery.files.metadata import PASS, tag
+from surgery.model.subject import Subject
 from surgery.passes.common import PASSES, Change, Pass, SurgeryResult, check_layers, record
-from surgery.subject import Subject
 
 
 def rewrite(model: "ir.Model | Subject", p: Pass | str, layers: Collection[int], args: Any = None) -> SurgeryResult:

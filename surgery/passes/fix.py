@@ -29,7 +29,7 @@ class Fix:
         w_p: [d_model, d_model] array, or a number (w_p I): mlp_out (I + w_p); None means 0.
         b: [d_model] array added to resid_post; None means 0.
         packed: for MatMulNBits output projections, the codes of W_o (I + w_a) and W_down (I + w_p) as the node stores
-            them, chosen error-aware by the fit (surgery.nbits); None: a fold rounds them to nearest.
+            them, chosen error-aware by the fit (surgery.model.nbits); None: a fold rounds them to nearest.
         w_in: [d_model, d_model] array of the input side: the mlp reads u (I + w_in) + b_in; None means 0.
         b_in: [d_model] array of the input side; None means 0.
         packed_in: for MatMulNBits mlp input projections, the codes of (I + w_in) W of each (in projection.mlp_inputs'

@@ -21,11 +21,12 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from surgery import metadata, nbits, nodes
-from surgery.blocks import BlockMap, block_norms, branch_nodes
 from surgery.errors import SurgeryError
-from surgery.metadata import tag
-from surgery.nodes import Emitter, values_by_name
+from surgery.files import metadata
+from surgery.files.metadata import tag
+from surgery.model import nbits, nodes
+from surgery.model.blocks import BlockMap, block_norms, branch_nodes
+from surgery.model.nodes import Emitter, values_by_name
 from surgery.passes import projection
 from surgery.passes.common import Change, Pass, SurgeryResult, narrower_than_float32, node_name, register
 from surgery.passes.driver import rewrite

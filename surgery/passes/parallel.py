@@ -7,10 +7,10 @@ from collections.abc import Collection
 
 import onnx_ir as ir
 
-from surgery import metadata
-from surgery.blocks import BlockMap, branch_nodes
 from surgery.errors import SurgeryError
-from surgery.metadata import tag
+from surgery.files import metadata
+from surgery.files.metadata import tag
+from surgery.model.blocks import BlockMap, branch_nodes
 from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
 from surgery.passes.driver import rewrite
 

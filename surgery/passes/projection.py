@@ -1,5 +1,5 @@
 """Linear projections as the graph computes them: MatMul(x, W) [+ b], Reshape-Gemm-Reshape (optimum's GPT-2), or
-MatMulNBits(x, codes, scales) [+ b] (block-quantized weights, surgery.nbits); a branch output may scale one by a
+MatMulNBits(x, codes, scales) [+ b] (block-quantized weights, surgery.model.nbits); a branch output may scale one by a
 constant before the residual add (Granite's residual_multiplier).
 
 Passes that fold something into a block's weights find them here, and write new weights back as
@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from surgery import nbits, nodes
-from surgery.blocks import BlockMap, block_norms, branch_nodes
 from surgery.errors import SurgeryError
+from surgery.model import nbits, nodes
+from surgery.model.blocks import BlockMap, block_norms, branch_nodes
 
 
 @dataclasses.dataclass
@@ -229,7 +229,7 @@ def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.nda
 
 def unreadable(model: ir.Model, block: BlockMap, why: str) -> str | None:
     """One line saying why a pass that folds into the output projections refuses a block whose quantized weights
-    it cannot read as arrays (surgery.nbits.refusal), or None; read from the graph alone (no weight is loaded)."""
+    it cannot read as arrays (surgery.model.nbits.refusal), or None; read from the graph alone (no weight is loaded)."""
     for branch in ("attn", "mlp"):
         for node in branch_nodes(model, block, branch):
             if node.op_type == nbits.OP and (reason := nbits.refusal(node)) is not None:

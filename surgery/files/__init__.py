@@ -1,0 +1,1 @@
+"""Files: ONNX graphs read, checked, put in their plain view and written whole; config, metadata, export, checkpoints."""

@@ -1,0 +1,1 @@
+"""Measurements on ONNX Runtime: sessions, where windows run, corpora and windows, loss / KL / dNLL, latency."""

@@ -1,0 +1,64 @@
+"""The main job's printed summary: `surgery parallelize --layers auto`'s lines, from its Outcome."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from surgery.measure.evaluate import pm
+from surgery.model.layers import format_layers
+
+
+def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]:
+    """parallelize --layers auto's report, (key, value) lines: what was chosen, what it cost, what it gives."""
+    sel = outcome.selection
+    forms = sel.counts()
+    codes = {"gptq": "codes chosen error-aware", "nearest": "codes rounded to nearest"}.get(sel.requantize)
+    split = f": {forms['compensated']} compensated{f' (MatMulNBits {codes})' if codes else ''}, {forms['plain']} plain" if sel.fit else ""
+    w = outcome.windows
+    fit_line = f"{sel.fit_passes} fit pass{'es' if sel.fit_passes != 1 else ''} over {w['fit']['count']} fit windows{' (with the refit)' if sel.refit else ''}, " if sel.fit else ""
+    lines = [
+        ("chosen layers", f"{format_layers(sel.layers) or 'none'} ({len(sel.layers)} of {sum(c is not None for c in sel.c)} sequential blocks{split}; form {outcome.form})"),
+        ("ranked by", f"{sel.score}, lowest first; {len({t.layer for t in sel.trials})} of {sel.candidates} candidates tried, "
+                      f"{len(sel.trials)} trials, {len(sel.layers)} kept" + (f"; stopped: {sel.stopped}" if sel.stopped else "")),
+        ("forward passes", f"{fit_line}{sel.forward_passes} over {w['selection']['count']} selection windows (1 baseline + 1 per trial{' + 1 after the refit' if sel.refit else ''}"
+                           f"{_blocks_run(sel)})"),
+        ("budget", f"{budget} nats on the selection windows' point estimates" if budget.max_kl is not None or budget.max_loss_increase is not None
+                   else "none (--max-kl none, --max-loss-increase none)"),
+    ]
+    if sel.divergence is not None:
+        lines.append(("selection", f"KL {sel.divergence}, top-1 {100 * sel.divergence.top1:.1f} %, dNLL {sel.dnll} ({w['selection']['tokens']} tokens)"))
+    if sel.refit:
+        r = sel.refit
+        lines.append(("refit", f"KL {r['kl_before']['kl']:.4f} -> {r['kl_after']['kl']:.4f}, dNLL {r['dnll_before']['dnll']:+.4f} -> "
+                               f"{r['dnll_after']['dnll']:+.4f} on the selection windows: {'kept' if r['kept'] else 'not kept'}"))
+    lines += [
+        ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
+                       f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}{_samples(w['evaluation'])}; 95 % intervals, nats)"),
+        *([("llama.cpp", (f"Same top p {pm(lc, 'Same top p')}, 99.9% KLD {lc['99.9% KLD']:.4f}, RMS Δp {pm(lc, 'RMS Δp')} "
+                          "(evaluation windows; selection.json has all of `perplexity --kl-divergence`'s)"))] if (lc := outcome.divergence_eval.to_json().get("llama_cpp")) else []),
+        ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times"
+                              f"{f' on {outcome.estimate_placement}' if outcome.estimate_placement else ''})"),
+    ]
+    if outcome.prefill_ratio is not None:
+        decode = f", decode {outcome.decode_ratio:.3f}x" if outcome.decode_ratio else ""
+        lines.append(("speedup, measured", f"prefill {outcome.prefill_ratio:.3f}x{decode} (original / rewritten, {repeats} interleaved repeats)"))
+    split = ", ".join(f"{k} {v:.0f} s" for k, v in sel.fit_seconds.items())
+    seconds = ", ".join(f"{k} {v:.0f} s" + (f" ({split})" if k == "fit" and split else "") for k, v in (sel.seconds | outcome.seconds).items())
+    resumed = [("resumed", "from the work folder's finished units: " + ", ".join(f"{k} {v}" for k, v in outcome.resumed.items()))] if outcome.resumed else []
+    kept = outcome.checkpoints
+    if kept.get("units"):
+        resumed.append(("checkpoints", f"{kept['units']} units written to {written.parent if written.name == 'model.onnx' else written}.work in "
+                                       f"{kept['seconds']:.1f} s ({kept['bytes'] / 2**20:.0f} MiB; removed now the run is done)"))
+    return lines + [("time", seconds), *resumed, ("written", f"{written} (+ selection.json, selection.png)")]
+
+
+def _blocks_run(sel) -> str:
+    """How much of the selection's passes the trials that start at a later block saved, when they did: `; 43 % of the blocks run`."""
+    whole = sel.forward_passes * (len(sel.c) or 1)
+    return f"; trials start at their block, {100 * sel.blocks_run / whole:.0f} % of the blocks run" if 0 < sel.blocks_run < whole else ""
+
+
+def _samples(part: dict) -> str:
+    """What a part's share of the model's own samples means for its numbers (nothing without samples)."""
+    k = part.get("sampled", 0)
+    return f"; {k} of {part['count']} windows the model's own samples: KL and top-1 count them, loss and dNLL do not" if k else ""
