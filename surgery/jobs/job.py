@@ -81,9 +81,11 @@ class JobSettings:
     restart: bool = False
 
     def results(self) -> dict:
-        """The settings that change results (what a work folder is tied to): not those that change only speed or memory."""
-        fit = None if self.fit is None else {k: v for k, v in dataclasses.asdict(self.fit).items() if k != "memory"}
-        return {"fit": fit, "fused": self.fused, "selection": dataclasses.asdict(self.selection)}
+        """The settings that change results, by name (what a work folder is tied to, and what its refusal names): not those
+        that change only speed or memory, nor the window counts (the windows' own digests stand for them)."""
+        fit = {} if self.fit is None else {k: v for k, v in dataclasses.asdict(self.fit).items() if k not in ("kind", "memory", "windows")}
+        greedy = {k: v for k, v in dataclasses.asdict(self.selection).items() if k != "windows"}
+        return {**fit, "fit": None if self.fit is None else self.fit.kind, "fused": self.fused, **greedy, "budget": self.selection.budget}
 
 
 @dataclasses.dataclass(frozen=True)
