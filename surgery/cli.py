@@ -70,6 +70,8 @@ def counts(fn) -> dict[str, tuple[str, int]]:
     return found
 
 
+PROGRESS_EVERY = 10.0  # seconds between progress lines inside a stage when stderr is not a terminal
+
 # --help's option groups (rich_help_panel=), named once so a group reads the same in every command.
 SOURCE, GRAPH, REWRITE, MEASURE, BUDGET, FIT = "Source", "Graph", "What to rewrite", "What to measure", "Budget (--layers auto)", "Fit"
 DATA, RUNTIME, LATENCY, CLUSTER, OUTPUT = "Data", "Runtime", "Latency", "Ray cluster", "Output"
@@ -147,10 +149,17 @@ def _fail(message: str):
 
 @contextlib.contextmanager
 def _progress():
-    """A stderr progress display; yields tell(stage, done, total), one bar per stage."""
+    """Progress on stderr; yields tell(stage, done, total): one bar per stage on a terminal, else lines a log can show
+    (surgery.report.log: a line per stage, and one every PROGRESS_EVERY seconds inside a long one)."""
+    if not err.is_terminal:
+        from surgery.report.log import Log
+
+        with Log(lambda line: err.print(escape(line), highlight=False, soft_wrap=True), every=PROGRESS_EVERY) as log:
+            yield log
+        return
     from rich.progress import Progress
 
-    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bars in logs or pipes
+    with Progress(console=err, transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def tell(stage: str, done: int, total: int) -> None:

@@ -1,47 +1,61 @@
 """The built-in corpus: several kinds of English text, each spread over the whole, so every part of the windows holds every kind."""
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
+from graphs import make_corpus
 from surgery.measure import corpus, data
 
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("reference", "library", "science", "legal", "readme")
 
-def test_every_kind_is_on_this_machine_and_has_its_share():
-    for name, read in corpus.KINDS.items():
-        cut = corpus.pieces(read())
-        size = sum(map(len, cut))
-        assert size > 50_000, f"{name}: {size} characters"  # every kind contributes, none is a token presence
-        assert size < corpus.SHARE + 3 * corpus.PIECE + max(map(len, cut)), name  # and none outweighs the rest
+
+def test_the_built_in_text_is_the_pinned_file_read_without_site_packages():
+    """The default corpus's text is the packaged file's, whatever is installed: read by a Python that sees no
+    site-packages (no NumPy, no dependency), it has the pinned digest."""
+    assert corpus.text_digest(corpus.mixed()) == corpus.DIGEST
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from surgery.measure import corpus; "
+            "print(corpus.text_digest(corpus.mixed()), len(corpus.mixed()), 'numpy' in sys.modules, any('site-packages' in p for p in sys.path))")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT)], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [corpus.DIGEST, str(len(corpus.mixed())), "False", "False"]
+
+
+def test_every_kind_has_its_share():
+    sizes = {name: sum(len(p) for p, k in zip(corpus.mixed(), corpus.kinds()) if k == name) for name in KINDS}
+    assert sizes == corpus.provenance()["kinds"]
+    for name, size in sizes.items():
+        assert 50_000 < size < make_corpus.SHARE + 3 * make_corpus.PIECE, (name, size)  # every kind contributes, none outweighs the rest
 
 
 def test_pieces_keep_paragraphs_whole_and_stop_at_the_share():
     paragraphs = [f"paragraph {i} " + "word " * (i % 7 + 3) for i in range(400)]
-    cut = corpus.pieces(["\n\n".join(paragraphs[:150]), "\n\n".join(paragraphs[150:])], size=120, share=5000)
+    cut = make_corpus.pieces(["\n\n".join(paragraphs[:150]), "\n\n".join(paragraphs[150:])], size=120, share=5000)
     assert all(len(p) >= 120 for p in cut[:-1])
     assert 5000 <= sum(map(len, cut)) < 5000 + 120 + 50
     rejoined = [p for piece in cut for p in piece.split("\n\n")]
     assert rejoined == paragraphs[: len(rejoined)]  # in order, none split or dropped before the share
-    everything = corpus.pieces(["\n\n".join(paragraphs)], size=120, share=10**9)
+    everything = make_corpus.pieces(["\n\n".join(paragraphs)], size=120, share=10**9)
     assert [p for piece in everything for p in piece.split("\n\n")] == paragraphs  # the tail piece is kept
 
 
 def test_each_kind_is_spread_over_the_whole_corpus():
-    deck = corpus.mixed()
-    owner = {piece: name for name, read in corpus.KINDS.items() for piece in corpus.pieces(read())}
-    kinds = [owner[piece] for piece in deck]
-    assert set(kinds) == set(corpus.KINDS)
-    for name in corpus.KINDS:
-        where = np.flatnonzero(np.asarray(kinds) == name)
-        gap = len(deck) / len(where)  # the even spacing
-        assert where[0] <= gap and where[-1] >= len(deck) - 1 - gap, name
+    kinds = np.asarray(corpus.kinds())
+    assert set(kinds) == set(KINDS)
+    for name in KINDS:
+        where = np.flatnonzero(kinds == name)
+        gap = len(kinds) / len(where)  # the even spacing
+        assert where[0] <= gap and where[-1] >= len(kinds) - 1 - gap, name
         assert np.diff(where).max() <= 2 * gap + 1, name
 
 
 def test_fit_selection_and_evaluation_windows_each_hold_every_kind(fixture_path):
     """The windows the main job takes from the default corpus: each part reads text of every kind, and samples."""
     deck = corpus.mixed()
-    owner = {piece: name for name, read in corpus.KINDS.items() for piece in corpus.pieces(read())}
+    owner = dict(zip(deck, corpus.kinds()))
     text = "\n\n".join(deck)
     ends = np.cumsum([len(p) + 2 for p in deck])  # character offset where each piece ends
     tok = data.load_tokenizer(fixture_path("llama"))
@@ -52,7 +66,8 @@ def test_fit_selection_and_evaluation_windows_each_hold_every_kind(fixture_path)
     evaluation = data.windows(fixture_path("llama"), seq_len=256, max_windows=32, part="evaluation")
     for part in (fit, selection, evaluation):
         seen = {k for s in part.starts if s >= 0 for k in kind_of_token[s : s + 255]}
-        assert seen == set(corpus.KINDS), (part.name, seen)
+        assert seen == set(KINDS), (part.name, seen)
+        assert part.describe()["corpus_digest"] == corpus.DIGEST
         assert (part.starts < 0).sum() == len(part) // 2, part.name  # the model's own samples: half of every part
 
 
@@ -62,3 +77,10 @@ def test_pydoc_is_the_language_reference_alone_and_the_default_text_is_the_mix()
     texts, name = data.read_texts(None)
     assert name == "built-in text" and tuple(texts) == corpus.mixed() and data.read_texts("text") == (texts, name)
     assert re.search(r"\blicen[cs]e\b", "\n".join(texts), re.I) and "ndarray" in "\n".join(texts)
+
+
+def test_a_file_corpus_is_named_by_the_digest_of_its_text(fixture_path, tmp_path):
+    text = "\n\n".join(data.default_corpus().split("\n\n")[:400])
+    (tmp_path / "c.txt").write_text(text)
+    windows = data.windows(fixture_path("llama"), tmp_path / "c.txt", seq_len=32, max_windows=2)
+    assert windows.describe()["corpus_digest"] == corpus.text_digest([text]) != corpus.DIGEST

@@ -85,3 +85,31 @@ def test_a_picture_is_written_with_the_model_whole_or_not_at_all(tmp_path, fixtu
     with pytest.raises(SurgeryError, match="permission denied"):
         graph.write(graph.load(like), tmp_path / "again" / out.name, like=like, extra={name: png})
     assert not (tmp_path / "again").exists() or not any((tmp_path / "again").iterdir())
+
+
+def test_the_summary_says_in_words_when_held_out_windows_read_the_choice_over_its_budget(fixture_path, tmp_path):
+    """The budget holds on the selection windows' point estimates; where the evaluation windows read the chosen set over
+    it, the summary says which limit, by how much, and what to do, and selection.json has the same."""
+    import dataclasses
+
+    from surgery.compensation.fitting import FitSettings
+    from surgery.jobs import job
+    from surgery.jobs.select import Budget, SelectionSettings
+    from surgery.measure.data import DataSettings
+    from surgery.measure.evaluate import Delta
+    from surgery.measure.timing import LatencySettings
+    from surgery.report import summary
+
+    settings = job.JobSettings(DataSettings(seq_len=32), FitSettings(windows=4), SelectionSettings(Budget(None, 1.0), windows=4),
+                               eval_windows=2, latency=LatencySettings(measure=False), checkpoints=False)
+    outcome, written = job.auto(fixture_path("llama"), tmp_path / "out", settings)
+    assert outcome.selection.layers and outcome.over_budget == {}
+    assert not any(key == "over budget" for key, _ in summary.lines(outcome, written, outcome.selection.budget, 1))
+    tight = Budget(outcome.divergence_eval.kl / 2, 0.1)  # KL below what the evaluation read; dNLL below the one set here
+    over = dataclasses.replace(outcome, selection=dataclasses.replace(outcome.selection, budget=tight), dnll_eval=Delta(0.25, 0.2, 0.3))
+    assert set(over.over_budget) == {"kl", "dnll"} and over.to_json()["over_budget"]["dnll"] == {"evaluation": 0.25, "limit": 0.1}
+    line = dict(summary.lines(over, written, tight, 1))["over budget"]
+    assert f"KL {outcome.divergence_eval.kl:.4f} > --max-kl {tight.max_kl:g}" in line and "dNLL +0.2500 > --max-loss-increase 0.1" in line
+    assert "selection windows' point estimates" in line and "raise --windows" in line
+    below = dataclasses.replace(over, dnll_eval=Delta(0.05, 0.0, 0.1))
+    assert set(below.over_budget) == {"kl"}

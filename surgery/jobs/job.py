@@ -108,8 +108,20 @@ class Outcome:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of the steps after the selection: evaluation
     checkpoints: dict = dataclasses.field(default_factory=dict)  # what writing the work folder's units cost: seconds, bytes, units
 
+    @property
+    def over_budget(self) -> dict[str, dict[str, float]]:
+        """The limits the chosen set meets on the selection windows (where the budget is held, on point estimates) but
+        not on the held-out evaluation windows: `kl` and / or `dnll` -> the held-out value and the limit."""
+        budget, over = self.selection.budget, {}
+        if budget.max_kl is not None and self.selection.layers and self.divergence_eval.kl > budget.max_kl:
+            over["kl"] = {"evaluation": self.divergence_eval.kl, "limit": budget.max_kl}
+        if budget.max_loss_increase is not None and self.selection.layers and self.dnll_eval.dnll > budget.max_loss_increase:
+            over["dnll"] = {"evaluation": self.dnll_eval.dnll, "limit": budget.max_loss_increase}
+        return over
+
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["over_budget"] = self.over_budget
         data["selection"] = self.selection.to_json()
         data["dnll_eval"] = self.dnll_eval.dnll
         data["dnll_eval_interval"] = [self.dnll_eval.low, self.dnll_eval.high]

@@ -1,175 +1,88 @@
-"""The built-in calibration corpus: several kinds of English text that every machine running surgery has offline,
-and text the model writes itself.
+"""The built-in calibration corpus: several kinds of English text, pinned in a file shipped with surgery, and text the
+model writes itself.
 
 A fix fitted on one kind of text holds its budget on that kind, not beyond it; methods that calibrate on data
 (GPTQ, SLEB, ReplaceMe) calibrate on broad text for this reason. Without a network the broadest text a machine
 surely has is the model's own: `samples` draws windows from it at temperature 1 from BOS, text from the
 distribution it was trained on (self-calibration, Williams et al. 2025, found such samples calibrate quantization
-and pruning as well as real text). Beside them the default corpus mixes what Python and surgery's dependencies ship:
+and pruning as well as real text). Beside them the default corpus mixes five kinds of text Python and surgery's
+dependencies ship (the Python reference, the standard library's docstrings, NumPy's documentation, licences, the
+dependencies' READMEs), read once by graphs/make_corpus.py and pinned in FILE: the same bytes on every machine and
+every install, whatever is installed beside surgery (docs/corpus.md names the sources and their licences). DIGEST is
+the sha256 of its text as tokenized (`text_digest`); selection.json and report.json record the digest of the corpus a
+run read. data.windows puts text and samples together: a share SAMPLED of every part's windows are samples.
 
-    reference   the Python language reference (`pydoc_data.topics`, in every CPython)
-    library     the standard library's own documentation (module, class and function docstrings of LIBRARY's modules)
-    science     NumPy's documentation of its numerical, statistical and linear-algebra routines (prose sections)
-    legal       the licenses Python and the dependencies ship (distinct paragraphs)
-    readme      the dependencies' project descriptions (their README, from the installed metadata)
-
-Each kind is cut at paragraph boundaries into pieces of about PIECE characters, at most SHARE characters of it are
-used (so that no kind outweighs the others), and each kind's pieces are spread evenly over the corpus, so that every
-segment of the token stream, and with it the fit, selection and evaluation parts, holds every kind (data.py deals
-segments of 8 windows; a piece is about two windows). Sources are read from files (ast for docstrings), nothing is
-imported but pydoc_data; a kind that a machine lacks is left out. The corpus depends on the versions installed:
-a checkpoint's fingerprint holds the token ids, so a resumed run never mixes two. data.windows puts the two
-together: a share SAMPLED of every part's windows are samples, the rest windows of the text.
+This module imports nothing outside the standard library until `samples` runs, so the pinned text can be read (and
+its digest checked) without site-packages.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import importlib.metadata
-import importlib.util
-import re
-import sysconfig
+import hashlib
+import json
+import lzma
+import typing
 from pathlib import Path
 
-import numpy as np
+if typing.TYPE_CHECKING:  # NumPy is imported where samples are drawn: the pinned text reads without site-packages
+    import numpy as np
 
 SAMPLED = 0.5  # the share of the default corpus's windows that are the model's own samples
-PIECE = 2000  # characters per piece (about two 256-token windows)
-SHARE = 160_000  # characters of each kind at most
-DEPENDENCIES = ("numpy", "onnx", "onnxruntime", "onnxruntime-gpu", "onnx-ir", "onnxscript", "tokenizers", "typer",
-                "rich", "matplotlib", "threadpoolctl", "click", "pillow", "markdown-it-py", "pygments")
-LIBRARY = ("argparse", "asyncio/events", "bisect", "calendar", "collections/__init__", "contextlib", "csv", "dataclasses",
-           "datetime", "decimal", "difflib", "email/message", "enum", "fractions", "functools", "heapq", "http/client",
-           "http/cookiejar", "inspect", "io", "ipaddress", "itertools", "json/__init__", "logging/__init__", "mailbox",
-           "numbers", "optparse", "pathlib", "pickle", "pprint", "queue", "random", "re/__init__", "sched", "shutil",
-           "smtplib", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit",
-           "typing", "unittest/case", "urllib/parse", "uuid", "warnings", "weakref", "zipfile/__init__")
-SCIENCE = ("numpy/lib/_function_base_impl", "numpy/lib/_histograms_impl", "numpy/lib/_polynomial_impl", "numpy/lib/_nanfunctions_impl",
-           "numpy/linalg/_linalg", "numpy/fft/_pocketfft", "numpy/fft/__init__", "numpy/polynomial/polynomial",
-           "numpy/polynomial/chebyshev", "numpy/polynomial/legendre", "numpy/polynomial/hermite", "numpy/polynomial/laguerre",
-           "numpy/polynomial/_polybase", "numpy/_core/fromnumeric", "numpy/_core/numeric", "numpy/_core/_add_newdocs",
-           "numpy/random/__init__", "numpy/ma/core", "numpy/lib/_arraysetops_impl")  # NumPy 2 paths; missing ones are skipped
-CODE_SECTIONS = re.compile(r"\n\s*(Examples|See Also|Parameters|Returns|Raises|Yields|Attributes|Other Parameters)\n\s*-{3,}\n")
+FILE = Path(__file__).with_name("corpus-v1.jsonl.xz")  # graphs/make_corpus.py wrote it: a line of provenance, then (kind, text) per piece
+GRID = 1 / 64  # the model's samples round logits to this grid before drawing (`draw`): at most 0.8 % off a token's probability
+DIGEST = "7d3020a421f8872828a485cf8a85d177f0039655d46fa10e20bc155d8b765470"  # text_digest(mixed()): tests/test_corpus.py holds the file to it
 
 
 def reference() -> list[str]:
-    """The Python language reference: `pydoc_data.topics`, in sorted key order (the corpus before the mix)."""
+    """The Python language reference of the Python running: `pydoc_data.topics`, in sorted key order (`--data pydoc`)."""
     from pydoc_data.topics import topics
 
     return [topics[key] for key in sorted(topics)]
 
 
-def _docstrings(path: Path, prose_only: bool) -> list[str]:
-    """The docstrings of a source file (module, classes, functions), read with ast (no import); with prose_only,
-    each cut before its first NumPy-style section of parameters, examples or references."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return []
-    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))]
-    docs = [ast.get_docstring(n) for n in nodes]
-    # numpy's _add_newdocs passes its documentation as string arguments: take long string constants there too
-    docs += [n.value for n in ast.walk(tree) if prose_only and isinstance(n, ast.Constant) and isinstance(n.value, str) and len(n.value) > 400]
-    out = []
-    for doc in dict.fromkeys(d for d in docs if d):
-        if prose_only:
-            doc = CODE_SECTIONS.split("\n" + doc, maxsplit=1)[0]
-        doc = doc.strip()
-        if len(doc) > 200 and not doc.startswith(">>>"):
-            out.append(doc)
-    return out
-
-
-def _sources(root: Path | None, names) -> list[Path]:
-    return [] if root is None else [p for p in (root / f"{name}.py" for name in names) if p.is_file()]
-
-
-def library() -> list[str]:
-    """Docstrings of the standard library modules in LIBRARY."""
-    return [doc for path in _sources(Path(sysconfig.get_paths()["stdlib"]), LIBRARY) for doc in _docstrings(path, False)]
-
-
-def science() -> list[str]:
-    """The prose of NumPy's docstrings in SCIENCE (up to their first section of parameters, returns or examples)."""
-    spec = importlib.util.find_spec("numpy")
-    root = Path(spec.origin).parent.parent if spec and spec.origin else None
-    return [doc for path in _sources(root, SCIENCE) for doc in _docstrings(path, True)]
-
-
-def _distributions():
-    for name in DEPENDENCIES:
-        try:
-            yield importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-
-
-def legal() -> list[str]:
-    """Distinct paragraphs of Python's LICENSE.txt and of the license files the dependencies ship."""
-    paths = [Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"]
-    for dist in _distributions():
-        paths += [Path(dist.locate_file(f)) for f in dist.files or () if re.search(r"(licen[cs]e|copying|notice)[^/]*$", str(f), re.I)]
-    paragraphs: dict[str, None] = {}
-    for path in paths:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        for paragraph in re.split(r"\n\s*\n", text):
-            paragraph = paragraph.strip()
-            if len(paragraph) > 80 and sum(c.isalpha() for c in paragraph) > 0.6 * len(paragraph):
-                paragraphs.setdefault(paragraph)
-    return list(paragraphs)
-
-
-def readme() -> list[str]:
-    """The dependencies' project descriptions (README text in their installed metadata)."""
-    docs = []
-    for dist in _distributions():
-        text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
-        if len(text) > 200:
-            docs.append(text.strip())
-    return docs
-
-
-KINDS = {"reference": reference, "library": library, "science": science, "legal": legal, "readme": readme}
-
-
-def pieces(documents: list[str], size: int = PIECE, share: int = SHARE) -> list[str]:
-    """Documents cut at paragraph boundaries into pieces of about `size` characters, at most `share` in all."""
-    out, current, total = [], "", 0
-    paragraphs = (p for document in documents for p in re.split(r"\n\s*\n", document) if p.strip())
-    for paragraph in paragraphs:
-        current = f"{current}\n\n{paragraph}" if current else paragraph
-        if len(current) >= size:
-            out.append(current)
-            total, current = total + len(current), ""
-            if total >= share:
-                return out
-    return out + [current] if current else out
+def text_digest(documents) -> str:
+    """The sha256 of a corpus's text as it is tokenized (documents joined by a blank line)."""
+    return hashlib.sha256("\n\n".join(documents).encode("utf-8")).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
+def _pinned() -> tuple[dict, tuple[tuple[str, str], ...]]:
+    lines = lzma.decompress(FILE.read_bytes()).decode("utf-8").splitlines()
+    records = [json.loads(line) for line in lines[1:]]
+    return json.loads(lines[0]), tuple((r["kind"], r["text"]) for r in records)
+
+
+def provenance() -> dict:
+    """The pinned file's first line: its name and version, what it was read from, and the characters of each kind."""
+    return _pinned()[0]
+
+
 def mixed() -> tuple[str, ...]:
-    """The built-in corpus: pieces of every kind in KINDS, each kind's spread evenly over the whole (module docstring)."""
-    kinds = [pieces(read()) for read in KINDS.values()]
-    placed = [((i + 0.5) / len(kind), k, piece) for k, kind in enumerate(kinds) for i, piece in enumerate(kind)]
-    return tuple(piece for _, _, piece in sorted(placed, key=lambda p: p[:2]))
+    """The built-in text: the pinned pieces, every kind's spread evenly over the whole."""
+    return tuple(text for _, text in _pinned()[1])
 
 
-def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int) -> np.ndarray:
-    """`rows` windows of seq_len ids the model writes itself: `prefix` (BOS), then tokens sampled at temperature 1,
+def kinds() -> tuple[str, ...]:
+    """The kind of each piece of `mixed()`."""
+    return tuple(kind for kind, _ in _pinned()[1])
+
+
+def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, options=None, grid: float | None = GRID, first: int = 0) -> np.ndarray:
+    """`rows` windows of seq_len ids the model writes itself: `prefix` (BOS), then tokens sampled at temperature 1 (`draw`),
     one step at a time with its KV cache (the whole window again each step for a graph without one, or whose cached
-    step ONNX Runtime cannot run here, as the GenAI builder's fp16 graphs on the CPU). Row r draws
-    from numpy's generator seeded (seed, r): a row's tokens do not depend on how many rows are asked for."""
+    step ONNX Runtime cannot run here, as the GenAI builder's fp16 graphs on the CPU). Row r draws from numpy's generator
+    seeded (seed, r), r from `first`: a row's tokens do not depend on how many rows are asked for. options: the
+    session's (runtime.Options; its defaults when None); grid: `draw`'s."""
+    import numpy as np
+
     from surgery.measure import runtime
 
     ids = np.tile(np.asarray(prefix or [0], np.int64), (rows, 1))
     if rows == 0:
         return np.zeros((0, seq_len), np.int64)
-    rngs = [np.random.default_rng([seed, r]) for r in range(rows)]
-    sess = runtime.session(model)
+    rngs = [np.random.default_rng([seed, r]) for r in range(first, first + rows)]
+    sess = runtime.session(model, options or runtime.Options())
     runtime.vocab_size(sess)  # a graph without logits: one line
     names = [o.name for o in sess.get_outputs()]
     cached, past = runtime.has_kv_cache(sess), None
@@ -184,10 +97,22 @@ def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int) -> np.
                 raise
             cached, past = False, None
             outputs = sess.run(None, runtime.feeds(sess, ids))
-        logits = np.asarray(outputs[names.index("logits")][:, -1, :], np.float64)
-        p = np.exp(logits - logits.max(axis=1, keepdims=True))
-        cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
-        draws = np.array([rng.random() for rng in rngs])[:, None]
-        ids = np.concatenate([ids, np.minimum((cdf < draws).sum(axis=1, keepdims=True), p.shape[1] - 1)], axis=1)
+        drawn = draw(outputs[names.index("logits")][:, -1, :], np.array([rng.random() for rng in rngs]), grid)
+        ids = np.concatenate([ids, drawn[:, None]], axis=1)
         past = runtime.present_as_past(sess, outputs) if cached else None
     return ids
+
+
+def draw(logits, u, grid: float | None = GRID):
+    """One token per row sampled at temperature 1 by the inverse CDF: the first token whose cumulative probability
+    exceeds u (one uniform [0, 1) number per row). With `grid` the logits [rows, vocab] are first rounded to multiples
+    of it, so that float noise in them (another thread count, kernel or CPU) changes a draw only where it moves a logit
+    across a rounding edge, and then by a step too small to matter for most draws (benchmarks/samples.py measures it)."""
+    import numpy as np
+
+    z = np.asarray(logits, np.float64)
+    if grid:
+        z = np.round(z / grid) * grid
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
+    return np.minimum((cdf < np.asarray(u, np.float64)[:, None]).sum(axis=1), p.shape[1] - 1).astype(np.int64)

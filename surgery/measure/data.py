@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import typing
 from pathlib import Path
@@ -50,12 +51,14 @@ class Windows:
             window before, when windows overlap).
         starts: [n_windows]: the offset of each window's first non-BOS token in the corpus token stream.
         name: the corpus and part, e.g. `pydoc_data.topics (evaluation part)`.
+        digest: the sha256 of the corpus's text as tokenized (corpus.text_digest; the built-in text's is corpus.DIGEST).
     """
 
     ids: np.ndarray  # [n_windows, seq_len] int64
     score_from: np.ndarray  # [n_windows]: first target index that counts (earlier ones were scored before)
     starts: np.ndarray  # [n_windows]: offset of each window's first non-BOS token in the corpus token stream
     name: str
+    digest: str = ""
 
     @property
     def seq_len(self) -> int:
@@ -77,12 +80,14 @@ class Windows:
 
     def describe(self) -> dict:
         """What a report says of these windows (report.schema.json's window_set)."""
-        return {"corpus": self.name, "count": len(self), "seq_len": self.seq_len, "tokens": self.tokens, "sampled": int(self.sampled.sum())}
+        return {"corpus": self.name, "count": len(self), "seq_len": self.seq_len, "tokens": self.tokens, "sampled": int(self.sampled.sum()),
+                **({"corpus_digest": self.digest} if self.digest else {}),
+                "ids_digest": hashlib.sha256(np.ascontiguousarray(self.ids, np.int64).tobytes()).hexdigest()}
 
     def take(self, indices, name: str | None = None) -> "Windows":
         """The windows at `indices` (in that order), named `name` (default: this one's name)."""
         indices = np.asarray(indices, dtype=np.int64)
-        return Windows(self.ids[indices], self.score_from[indices], self.starts[indices], name or self.name)
+        return Windows(self.ids[indices], self.score_from[indices], self.starts[indices], name or self.name, self.digest)
 
 
 def spread(n: int, count: int | None) -> np.ndarray:
@@ -304,6 +309,7 @@ def windows(
         np.concatenate([w.score_from for w in chosen]),
         np.concatenate([w.starts for w in chosen]),
         f"{name} ({part} part)",
+        corpus.text_digest(texts),
     )
     sampled = corpus.SAMPLED if data is None and max_windows is not None else 0.0  # all windows: every text one, no samples
     count = len(result) if max_windows is None else max_windows
@@ -345,4 +351,5 @@ def _with_samples(model, text: Windows, rows: int, part: str, calibration: float
         take(text.score_from, np.zeros(len(ids), np.int64)),
         take(text.starts, -1 - np.arange(len(ids), dtype=np.int64)),
         text.name.replace(" (", " + the model's samples (", 1),
+        text.digest,
     )

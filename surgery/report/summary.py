@@ -34,6 +34,7 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
     lines += [
         ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
                        f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}{_samples(w['evaluation'])}; 95 % intervals, nats)"),
+        *([("over budget", _over_budget(outcome))] if outcome.over_budget else []),
         *([("llama.cpp", (f"Same top p {pm(lc, 'Same top p')}, 99.9% KLD {lc['99.9% KLD']:.4f}, RMS Δp {pm(lc, 'RMS Δp')} "
                           "(evaluation windows; selection.json has all of `perplexity --kl-divergence`'s)"))] if (lc := outcome.divergence_eval.to_json().get("llama_cpp")) else []),
         ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times"
@@ -50,6 +51,15 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
         resumed.append(("checkpoints", f"{kept['units']} units written to {written.parent if written.name == 'model.onnx' else written}.work in "
                                        f"{kept['seconds']:.1f} s ({kept['bytes'] / 2**20:.0f} MiB; removed now the run is done)"))
     return lines + [("time", seconds), *resumed, ("written", f"{written} (+ selection.json, selection.png)")]
+
+
+def _over_budget(outcome) -> str:
+    """In words: which limit the held-out windows read over, and what that means (the budget holds on the selection windows)."""
+    names = {"kl": ("KL", "--max-kl", "{:.4f}"), "dnll": ("dNLL", "--max-loss-increase", "{:+.4f}")}
+    parts = [f"{names[k][0]} {names[k][2].format(v['evaluation'])} > {names[k][1]} {v['limit']:g}" for k, v in outcome.over_budget.items()]
+    return (f"held out, {' and '.join(parts)}: the budget was held on the {outcome.windows['selection']['count']} selection windows' point "
+            "estimates, and on other text this set costs about the evaluation's numbers; for a set that stays within it there too, "
+            "lower the limits or raise --windows")
 
 
 def _blocks_run(sel) -> str:
