@@ -1,8 +1,8 @@
 """Do the model's own samples (half the default corpus) come out the same under float noise? For each drawing rule
-(logits as they are, or rounded to corpus.GRID first, the default) and each pair of runs that agree but for float
+(corpus.RULES: `gumbel`, the default, and `inverse`, the rule before) and each pair of runs that agree but for float
 noise, the windows whose tokens differ and the first position where each does.
 
-    python benchmarks/samples.py [--rows 40] [--seq-len 256] [--grids 0,0.015625]
+    python benchmarks/samples.py [--rows 40] [--seq-len 256] [--rules gumbel,inverse]
 
 Pairs, each drawing the same rows with the same seeds (seed 1, the main job's calibration part's) on SmolLM2-135M:
     threads 1 / 2              ONNX Runtime with one intra-op thread against two
@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--grids", default=f"0,{corpus.GRID}")
+    parser.add_argument("--rules", default=",".join(corpus.RULES))
     args = parser.parse_args()
     folder = smollm2()
     fp16 = ROOT / "out" / "smollm2-fp16"
@@ -39,13 +39,13 @@ def main() -> None:
     model, half = graph.load(folder), graph.load(fp16)
     prefix = data.bos_prefix(data.load_tokenizer(folder))
     rows = []
-    for grid in (float(g) or None for g in args.grids.split(",")):
+    for rule in args.rules.split(","):
         start = time.perf_counter()
 
         def draw(options, of=model, alone=False):
             if alone:
-                return np.concatenate([corpus.samples(of, 1, args.seq_len, prefix, 1, options, grid, first=r) for r in range(args.rows)])
-            return corpus.samples(of, args.rows, args.seq_len, prefix, 1, options, grid)
+                return np.concatenate([corpus.samples(of, 1, args.seq_len, prefix, 1, options, rule, first=r) for r in range(args.rows)])
+            return corpus.samples(of, args.rows, args.seq_len, prefix, 1, options, rule)
 
         base = draw(runtime.Options(threads=2))
         pairs = {"threads 1 / 2": draw(runtime.Options(threads=1)),
@@ -54,10 +54,10 @@ def main() -> None:
                  "fp32 / fp16": draw(runtime.Options(threads=2), of=half)}
         for name, other in pairs.items():
             first = sorted(int(np.flatnonzero(x != y)[0]) for x, y in zip(base, other) if (x != y).any())
-            rows.append({"grid": f"{grid:g}" if grid else "none (the rule before)", "pair": name, "windows": args.rows,
+            rows.append({"rule": rule, "pair": name, "windows": args.rows,
                          "tokens drawn": args.rows * (args.seq_len - len(prefix)), "windows that differ": len(first),
                          "first differing positions": ", ".join(map(str, first)) or "-"})
-        print(f"grid {grid}: {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"{rule}: {time.perf_counter() - start:.0f} s", flush=True)
     print(table(rows, list(rows[0])))
 
 

@@ -30,7 +30,8 @@ if typing.TYPE_CHECKING:  # NumPy is imported where samples are drawn: the pinne
 
 SAMPLED = 0.5  # the share of the default corpus's windows that are the model's own samples
 FILE = Path(__file__).with_name("corpus-v1.jsonl.xz")  # graphs/make_corpus.py wrote it: a line of provenance, then (kind, text) per piece
-GRID = 1 / 64  # the model's samples round logits to this grid before drawing (`draw`): at most 0.8 % off a token's probability
+RULES = ("gumbel", "inverse")  # how `draw` samples a token (gumbel: float noise rarely moves a draw; benchmarks/samples.py)
+RULE = "gumbel"
 DIGEST = "7d3020a421f8872828a485cf8a85d177f0039655d46fa10e20bc155d8b765470"  # text_digest(mixed()): tests/test_corpus.py holds the file to it
 
 
@@ -68,12 +69,12 @@ def kinds() -> tuple[str, ...]:
     return tuple(kind for kind, _ in _pinned()[1])
 
 
-def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, options=None, grid: float | None = GRID, first: int = 0) -> np.ndarray:
+def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, options=None, rule: str = RULE, first: int = 0) -> np.ndarray:
     """`rows` windows of seq_len ids the model writes itself: `prefix` (BOS), then tokens sampled at temperature 1 (`draw`),
     one step at a time with its KV cache (the whole window again each step for a graph without one, or whose cached
     step ONNX Runtime cannot run here, as the GenAI builder's fp16 graphs on the CPU). Row r draws from numpy's generator
     seeded (seed, r), r from `first`: a row's tokens do not depend on how many rows are asked for. options: the
-    session's (runtime.Options; its defaults when None); grid: `draw`'s."""
+    session's (runtime.Options; its defaults when None); rule: `draw`'s."""
     import numpy as np
 
     from surgery.measure import runtime
@@ -97,22 +98,27 @@ def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, option
                 raise
             cached, past = False, None
             outputs = sess.run(None, runtime.feeds(sess, ids))
-        drawn = draw(outputs[names.index("logits")][:, -1, :], np.array([rng.random() for rng in rngs]), grid)
-        ids = np.concatenate([ids, drawn[:, None]], axis=1)
+        ids = np.concatenate([ids, draw(outputs[names.index("logits")][:, -1, :], rngs, rule)[:, None]], axis=1)
         past = runtime.present_as_past(sess, outputs) if cached else None
     return ids
 
 
-def draw(logits, u, grid: float | None = GRID):
-    """One token per row sampled at temperature 1 by the inverse CDF: the first token whose cumulative probability
-    exceeds u (one uniform [0, 1) number per row). With `grid` the logits [rows, vocab] are first rounded to multiples
-    of it, so that float noise in them (another thread count, kernel or CPU) changes a draw only where it moves a logit
-    across a rounding edge, and then by a step too small to matter for most draws (benchmarks/samples.py measures it)."""
+def draw(logits, rngs, rule: str = RULE):
+    """One token per row of `logits` [rows, vocab], sampled at temperature 1 with that row's generator in `rngs`.
+
+    `gumbel`: the token with the largest logit + g, g drawn from the standard Gumbel distribution for every token
+    (the Gumbel-max trick: exactly softmax sampling). Float noise in the logits (another thread count, kernel or CPU)
+    changes the draw only where the two largest sums lie within the noise of each other. `inverse`: the first token
+    whose cumulative probability exceeds one uniform number (the rule before 2026-12-06): noise in every one of the
+    vocabulary's cumulative sums can move it. benchmarks/samples.py measures both."""
     import numpy as np
 
     z = np.asarray(logits, np.float64)
-    if grid:
-        z = np.round(z / grid) * grid
+    if rule == "gumbel":
+        return np.argmax(z + np.stack([rng.gumbel(size=z.shape[1]) for rng in rngs]), axis=1).astype(np.int64)
+    if rule != "inverse":
+        raise ValueError(f"unknown sampling rule {rule!r}; use one of {', '.join(RULES)}")
     p = np.exp(z - z.max(axis=1, keepdims=True))
     cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
-    return np.minimum((cdf < np.asarray(u, np.float64)[:, None]).sum(axis=1), p.shape[1] - 1).astype(np.int64)
+    u = np.array([rng.random() for rng in rngs])
+    return np.minimum((cdf < u[:, None]).sum(axis=1), p.shape[1] - 1).astype(np.int64)
