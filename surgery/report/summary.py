@@ -25,6 +25,9 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
         ("budget", f"{budget} nats on the selection windows' point estimates" if budget.max_kl is not None or budget.max_loss_increase is not None
                    else "none (--max-kl none, --max-loss-increase none)"),
     ]
+    if digest := w["evaluation"].get("corpus_digest"):
+        name = w["evaluation"]["corpus"].split(" (")[0]
+        lines.append(("corpus", f"{name}, text sha256 {digest[:16]} (selection.json: each window set's corpus_digest and ids_digest)"))
     if sel.divergence is not None:
         lines.append(("selection", f"KL {sel.divergence}, top-1 {100 * sel.divergence.top1:.1f} %, dNLL {sel.dnll} ({w['selection']['tokens']} tokens)"))
     if sel.refit:
