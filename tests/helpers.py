@@ -6,6 +6,7 @@ Tests import these from here, never from one another (conftest's `tiny_export` c
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import onnx_ir as ir
@@ -15,6 +16,15 @@ from surgery.files import graph
 from surgery.measure import runtime
 
 IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
+
+
+PROGRESS = re.compile(r"^(.+: (started \(\d+ steps\)|done in .+|\d+/\d+ \(\d+ %\) after .+)|still working after .+)$")
+
+
+def said(stderr: str) -> list[str]:
+    """The lines of a command's stderr other than its progress lines (surgery.report.log writes those when stderr is
+    not a terminal): errors, warnings, anything else."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS.match(line)]
 
 
 def logits(model: ir.Model, ids: np.ndarray = IDS, extra: dict | None = None) -> np.ndarray:

@@ -27,6 +27,7 @@ from surgery.measure.cluster import Resources
 from surgery.measure.data import DataSettings
 from surgery.measure.timing import LatencySettings
 from surgery.passes import Fix
+from tests.helpers import said
 
 TIMES = {"seconds", "fit_seconds", "latency", "fit_memory", "estimated_speedup", "resumed", "checkpoints"}  # measured, not computed
 JOB = ["--seq-len", "32", "--fit-windows", "8", "--windows", "8", "--eval-windows", "2", "--no-latency", "--max-kl", "none",
@@ -131,7 +132,7 @@ def test_a_work_folder_of_other_options_is_refused_in_one_line_and_restart_disca
     _killed_at("selection trial-1", args, tmp_path / "pause")
     other = _cli([*args, "--max-loss-increase", "0.5", "--fit-windows", "6"])
     assert other.returncode == 1 and not out.exists()
-    [line] = other.stderr.strip().splitlines()
+    [line] = said(other.stderr)
     assert line.startswith(f"error: {work_folder(out)} holds the work of a run with another budget, fit windows")
     assert line.endswith("or add --restart to discard it")
     fresh = _cli([*args, "--max-loss-increase", "0.5", "--restart", "--json"])
@@ -141,8 +142,8 @@ def test_a_work_folder_of_other_options_is_refused_in_one_line_and_restart_disca
     work_folder(broken).mkdir()
     (work_folder(broken) / "manifest.json").write_text("{")
     refused = _cli(["parallelize", str(fixture_path("llama")), "-o", str(broken), *JOB])
-    assert refused.returncode == 1 and refused.stderr.strip() == (
-        f"error: {work_folder(broken)} is not a work folder this surgery can read; delete it, or add --restart to discard it")
+    assert refused.returncode == 1 and said(refused.stderr) == [
+        f"error: {work_folder(broken)} is not a work folder this surgery can read; delete it, or add --restart to discard it"]
 
 
 def test_a_work_folder_in_use_by_another_run_is_refused_and_the_lock_goes_with_its_process(tmp_path):

@@ -18,6 +18,7 @@ from surgery.measure import cluster, runtime
 from surgery.measure.cluster import Resources
 from surgery.measure.data import DataSettings
 from surgery.measure.timing import LatencySettings
+from tests.helpers import said
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
 
@@ -82,7 +83,7 @@ def test_diagnose_on_ray_from_the_cli_prints_no_ray_notices(fixture_path, tmp_pa
     args = ["diagnose", str(fixture_path("llama")), "--workers", "2", "--seq-len", "32", "--windows", "2", "--only", "deficit"]
     quiet = subprocess.run([sys.executable, "-m", "surgery.cli", *args, "-o", str(tmp_path / "q")], capture_output=True, text=True)
     assert quiet.returncode == 0, quiet.stderr
-    assert quiet.stderr == "" and (tmp_path / "q" / "report.json").exists()
+    assert said(quiet.stderr) == [] and (tmp_path / "q" / "report.json").exists()
 
 
 @pytest.mark.slow
@@ -175,4 +176,4 @@ def test_cuda_actors_that_cannot_run_on_cuda_fail_in_one_line(fixture_path, tmp_
     with pytest.raises(SurgeryError, match="no GPU"), cluster.pool(workers=2, gpus=0, device="cuda"):
         pass
     result = CliRunner().invoke(app, ["parallelize", str(path), "-o", str(tmp_path / "out"), "--workers", "2", "--device", "cuda"])
-    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert result.exit_code == 1 and len(said(result.output)) == 1 and not (tmp_path / "out").exists()

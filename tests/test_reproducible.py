@@ -23,28 +23,33 @@ def test_the_main_job_on_one_thread_and_on_two_writes_the_same_selection_and_the
     windows = json.loads((one / "selection.json").read_text())["windows"]
     assert {w["ids_digest"] for w in windows.values()} == {w["ids_digest"] for w in json.loads((two / "selection.json").read_text())["windows"].values()}
     # stderr was a pipe: a line when each stage starts and when it ends, no progress bar
-    for stage in ("fit (2 passes)", "greedy selection", "evaluation windows"):
+    for stage in ("the model's samples (8 calibration windows)", "fit (2 passes)", "greedy selection", "evaluation windows"):
         assert f"{stage}: started (" in log and f"{stage}: done in " in log, (stage, log)
     assert "\r" not in log and "\x1b[" not in log
 
 
-def test_a_log_gets_a_line_per_stage_and_one_every_interval_inside_it():
+def test_a_log_gets_a_line_per_stage_and_one_every_interval_inside_it_and_between_stages():
     lines, now = [], [0.0]
     log = Log(lines.append, every=10, clock=lambda: now[0])
-    log("fit", 0, 10)
-    now[0] = 5
-    log("fit", 1, 10)  # within the interval: nothing
     now[0] = 12
+    log.beat()  # nothing reported yet
+    log("fit", 0, 10)
+    now[0] = 17
+    log("fit", 1, 10)  # within the interval: nothing
+    now[0] = 24
     log("fit", 2, 10)
-    now[0] = 30
+    now[0] = 42
     log.beat()  # the heartbeat: no count for 18 s
-    now[0] = 35
+    now[0] = 47
     log.beat()  # 5 s after the last line: nothing
-    now[0] = 40
+    now[0] = 52
     log("fit", 10, 10)
+    now[0] = 70
+    log.beat()  # between stages
     log("trials", 0, 3)
-    assert lines == ["fit: started (10 steps)", "fit: 2/10 (20 %) after 12 s, about 48 s left", "fit: 2/10 (20 %) after 30 s, about 2 min 0 s left",
-                     "fit: done in 40 s", "trials: started (3 steps)"]
+    assert lines == ["still working after 12 s (no step has reported yet)", "fit: started (10 steps)",
+                     "fit: 2/10 (20 %) after 12 s, about 48 s left", "fit: 2/10 (20 %) after 30 s, about 2 min 0 s left",
+                     "fit: done in 40 s", "still working after 70 s (fit ended 18 s ago)", "trials: started (3 steps)"]
 
 
 def test_the_heartbeat_thread_writes_while_a_stage_reports_nothing():

@@ -17,6 +17,7 @@ from surgery.measure.data import DataSettings
 from surgery.measure.timing import LatencySettings
 from surgery.model.blocks import find_blocks
 from surgery.passes import Fix, ablate, fuse, parallelize
+from tests.helpers import said
 
 runner = CliRunner()
 
@@ -330,7 +331,7 @@ def test_a_compensation_that_cannot_be_made_is_never_silent(fixture_path, tmp_pa
     saved = json.loads((out / "selection.json").read_text())
     sel = saved["selection"]
     assert sel["layers"] == [0, 1, 2] and set(sel["forms"].values()) == {"plain"} and saved["form"] == "plain"
-    warnings = result.stderr.strip().splitlines()
+    warnings = said(result.stderr)
     assert warnings == [f"warning: block {l} was written plain parallel: its fix could not be made "
                         f"(too few windows to hold one fold out; give more fit windows)" for l in (0, 1, 2)]
     assert set(sel["uncompensated"]) == {"0", "1", "2"}

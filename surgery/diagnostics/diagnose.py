@@ -168,11 +168,11 @@ def _diagnose(model_path: str | Path, settings: DiagnoseSettings, options: runti
     if any(b.fused for b in blocks):
         raise SurgeryError(f"{model_path} has fused blocks, whose attn_out and mlp_out are one MatMul; diagnose the model before `--fuse`")
     n = len(blocks)
-    cal = settings.data.windows(model, settings.windows, "calibration")
+    cal = settings.data.windows(model, settings.windows, "calibration", tell)
     about = {"path": str(graph.resolve(model_path)), "n_layers": n, "forms": [b.form for b in blocks]}
     read_windows = {"calibration": cal.describe()}
     seconds: dict[str, float] = {}
-    ev = settings.data.windows(model, settings.eval_windows, "evaluation") if "defect" in only or "ablation" in only else None
+    ev = settings.data.windows(model, settings.eval_windows, "evaluation", tell) if "defect" in only or "ablation" in only else None
     work = Checkpoints.off()
     if checkpoints is not None:
         work = Checkpoints.open(checkpoints, {"model": model_digest(model_path, model.model),

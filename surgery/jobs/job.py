@@ -15,6 +15,7 @@ from surgery.compensation.fitting import FitSettings
 from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.files.checkpoint import Checkpoints, digest, model_digest
+from surgery.jobs import select
 from surgery.jobs.picture import selection_picture
 from surgery.jobs.select import Selection, SelectionSettings, select_layers
 from surgery.measure import data, evaluate, runtime, timing
@@ -147,17 +148,18 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
             what select_layers refuses, or a work folder of another run (without `restart`).
     """
     tell, fit, greedy, options = progress or silent, settings.fit, settings.selection, settings.resources.options
+    select.ranking(greedy.score, fit)  # a score the fit cannot give fails before any work
     subject = Subject(graph.load(model_path), str(model_path))  # read once: the windows' samples, the selection, the rewrite and the measurements take it
     graph.check_output(out, model_path, subject.model)
     model, blocks = subject.model, subject.blocks
     if settings.fused:  # before any work: a block that cannot be fused would fail only after the fit and the selection
         _check_fusable(model, blocks[greedy.protect_first : len(blocks) - greedy.protect_last])
     if fit is not None:
-        both = settings.data.windows(subject, fit.windows + greedy.windows, "calibration")
+        both = settings.data.windows(subject, fit.windows + greedy.windows, "calibration", tell)
         fit_part, sel = data.deal(both, [fit.windows, greedy.windows], ["fit", "selection"])
     else:
-        fit_part, sel = None, settings.data.windows(subject, greedy.windows, "calibration")
-    ev = settings.data.windows(subject, settings.eval_windows, "evaluation")
+        fit_part, sel = None, settings.data.windows(subject, greedy.windows, "calibration", tell)
+    ev = settings.data.windows(subject, settings.eval_windows, "evaluation", tell)
     parts = {"fit windows": fit_part, "selection windows": sel, "evaluation windows": ev}
     with _work(out, model_path, model, parts, settings) if settings.checkpoints else Checkpoints.off() as work:  # released however auto ends
         with settings.resources.pool() as pool:

@@ -345,13 +345,20 @@ def _add(clock: dict[str, float], seconds: dict[str, float]) -> None:
         clock[key] = clock.get(key, 0.0) + value
 
 
-def _score(score: Score | None, fit: FitSettings | None, fit_windows: Windows | None) -> Score:
-    """The score to rank by (default: c_comp when compensating, else c_stream), once it, the fit and the fit windows agree."""
+def ranking(score: Score | None, fit: FitSettings | None) -> Score:
+    """The score to rank by (default: c_comp when compensating, else c_stream), once it and the fit agree: what the main
+    job checks before any work."""
     score = score or ("c_comp" if fit else "c_stream")
     if score not in SCORES:
         raise SurgeryError(f"unknown score {score!r}; use one of {', '.join(SCORES)}")
     if fit is None and score == "c_comp":
         raise SurgeryError("score c_comp needs compensation; use c_stream or c with --no-compensate")
+    return score
+
+
+def _score(score: Score | None, fit: FitSettings | None, fit_windows: Windows | None) -> Score:
+    """`ranking`, once the fit windows are there too."""
+    score = ranking(score, fit)
     if fit is not None and fit_windows is None:
         raise SurgeryError("compensation needs fit windows, disjoint from the selection windows")
     return score
@@ -420,6 +427,8 @@ def _greedy(runs: Trials, candidates: list[int], rank: list[float | None], fits:
             runs.accept(run)
             trials[index] = dataclasses.replace(trials[index], kept=True)
         tell("greedy selection", i + 1, len(candidates))
+    if stopped:
+        tell("greedy selection", len(candidates), len(candidates))  # the rest are not tried: the stage is done
     return _Chosen(chosen, tuple(trials), current, current_kl, stopped)
 
 

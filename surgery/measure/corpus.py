@@ -69,12 +69,14 @@ def kinds() -> tuple[str, ...]:
     return tuple(kind for kind, _ in _pinned()[1])
 
 
-def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, options=None, rule: str = RULE, first: int = 0) -> np.ndarray:
+def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, options=None, rule: str = RULE, first: int = 0,
+            progress=None) -> np.ndarray:
     """`rows` windows of seq_len ids the model writes itself: `prefix` (BOS), then tokens sampled at temperature 1 (`draw`),
     one step at a time with its KV cache (the whole window again each step for a graph without one, or whose cached
     step ONNX Runtime cannot run here, as the GenAI builder's fp16 graphs on the CPU). Row r draws from numpy's generator
     seeded (seed, r), r from `first`: a row's tokens do not depend on how many rows are asked for. options: the
-    session's (runtime.Options; its defaults when None); rule: `draw`'s."""
+    session's (runtime.Options; its defaults when None); rule: `draw`'s; progress: called as progress(tokens drawn, all)
+    after each step of all the rows."""
     import numpy as np
 
     from surgery.measure import runtime
@@ -100,6 +102,8 @@ def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, option
             outputs = sess.run(None, runtime.feeds(sess, ids))
         ids = np.concatenate([ids, draw(outputs[names.index("logits")][:, -1, :], rngs, rule)[:, None]], axis=1)
         past = runtime.present_as_past(sess, outputs) if cached else None
+        if progress:
+            progress(ids.shape[1] - len(prefix or [0]), seq_len - len(prefix or [0]))
     return ids
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.measure import corpus
+from surgery.measure.progress import Count, Tell, silent
 
 if typing.TYPE_CHECKING:  # imported where a tokenizer is read: the graph passes run without tokenizers (the GPU machine has none)
     from tokenizers import Tokenizer
@@ -231,9 +232,10 @@ class DataSettings:
     tokenizer: str | Path | None = None
     stride: int | None = None
 
-    def windows(self, model: "str | Path | Subject", count: int | None, part: str) -> "Windows":
+    def windows(self, model: "str | Path | Subject", count: int | None, part: str, progress: Tell | None = None) -> "Windows":
         """`count` windows (None: all) of the corpus's `part` for `model` (`windows`)."""
-        return windows(model, self.data, seq_len=self.seq_len, stride=self.stride, max_windows=count, part=part, tokenizer=self.tokenizer)
+        return windows(model, self.data, seq_len=self.seq_len, stride=self.stride, max_windows=count, part=part, tokenizer=self.tokenizer,
+                       progress=progress)
 
 
 def windows(
@@ -246,6 +248,7 @@ def windows(
     part: str = "evaluation",
     calibration: float = 0.25,
     tokenizer: str | Path | None = None,
+    progress: Tell | None = None,
 ) -> Windows:
     """Token windows of a corpus for `model`: the `part` (evaluation, calibration or all) of its token stream.
 
@@ -266,6 +269,7 @@ def windows(
         part: `evaluation` (the reported loss), `calibration` (fits, scores, selection) or `all` (both, in corpus order).
         calibration: the fraction of the segments that goes to the calibration part, between 0 and 1.
         tokenizer: a tokenizer.json, or a folder holding one, to use instead of the model folder's.
+        progress: called as progress(stage, done, total) while the model's samples are drawn (their tokens).
 
     Returns:
         The Windows: ids [n_windows, seq_len], the first scored target of each window, and their offsets in the stream
@@ -317,14 +321,14 @@ def windows(
     if text_count < len(result):
         result = result.take(spread(len(result), text_count))
     if sampled:
-        result = _with_samples(model, result, count - text_count, part, calibration, prefix)
+        result = _with_samples(model, result, count - text_count, part, calibration, prefix, progress)
     return result
 
 
 _SAMPLED: dict[tuple, np.ndarray] = {}  # corpus.samples, remembered (a command asks for the same part more than once)
 
 
-def _samples(model, rows: int, seq_len: int, prefix: tuple[int, ...], seed: int) -> np.ndarray:
+def _samples(model, rows: int, seq_len: int, prefix: tuple[int, ...], seed: int, progress: Count | None) -> np.ndarray:
     """corpus.samples of the model at a path, or of a Subject's model (loaded from its path); remembered by the file's path
     and mtime."""
     path = graph.resolve(model if isinstance(model, (str, Path)) else model.where)
@@ -332,17 +336,20 @@ def _samples(model, rows: int, seq_len: int, prefix: tuple[int, ...], seed: int)
     if key not in _SAMPLED:
         while len(_SAMPLED) >= 8:
             _SAMPLED.pop(next(iter(_SAMPLED)))
-        _SAMPLED[key] = ids = corpus.samples(model if isinstance(model, (str, Path)) else model.model, rows, seq_len, list(prefix), seed)
+        source = model if isinstance(model, (str, Path)) else model.model
+        _SAMPLED[key] = ids = corpus.samples(source, rows, seq_len, list(prefix), seed, progress=progress)
         ids.flags.writeable = False
     return _SAMPLED[key]
 
 
-def _with_samples(model, text: Windows, rows: int, part: str, calibration: float, prefix: list[int]) -> Windows:
+def _with_samples(model, text: Windows, rows: int, part: str, calibration: float, prefix: list[int], progress: Tell | None) -> Windows:
     """The text windows and `rows` windows of the model's own samples (SEEDS[part]; `all`: both parts' in their
     proportion), each kind spread evenly over the result. Samples score every target; their starts are negative
     (-1 - row), as they sit in no corpus stream."""
     counts = {"calibration": round(rows * calibration), "evaluation": rows - round(rows * calibration)} if part == "all" else {part: rows}
-    ids = [_samples(model, n, text.seq_len, tuple(prefix), SEEDS[p]) for p, n in counts.items() if n]
+    tell = progress or silent
+    ids = [_samples(model, n, text.seq_len, tuple(prefix), SEEDS[p], lambda d, t, p=p, n=n: tell(f"the model's samples ({n} {p} windows)", d, t))
+           for p, n in counts.items() if n]
     ids = np.concatenate(ids) if ids else np.zeros((0, text.seq_len), np.int64)
     spots = sorted([((i + 0.5) / len(text), 0, i) for i in range(len(text))] + [((i + 0.5) / len(ids), 1, i) for i in range(len(ids))])
     take = lambda mine, theirs: np.stack([theirs[i] if k else mine[i] for _, k, i in spots])  # noqa: E731

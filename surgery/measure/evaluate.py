@@ -326,7 +326,7 @@ def side_by_side(models: Sequence, names: Sequence[str], data: DataSettings, max
     for model in models:
         graph.resolve(model)  # every path checked before minutes of work
     check_seq_len(models[0], data.seq_len, decode=timed.measure)
-    windows = data.windows(models[0], max_windows, part)
+    windows = data.windows(models[0], max_windows, part, tell)
     scored = [counter(tell, f"perplexity {name}", len(windows)) for name in names]
     scores = compare(models, windows, batch_size=batch_size, options=options, progress=lambda i, n: scored[i](n))
     timings = []

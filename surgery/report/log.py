@@ -1,6 +1,7 @@
 """Progress as lines of a log, for when stderr is not a terminal (CI, nohup, a job scheduler): a line when a stage
 starts, one every `every` seconds while it runs (from the last count it reported, or that it is still on it), and one
-when it ends. On a terminal the CLI draws progress bars instead."""
+when it ends; between stages, a line every `every` seconds that the run is still working. On a terminal the CLI draws
+progress bars instead."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class Log:
         self.write, self.every, self.clock = write, every, clock
         self.stages: dict[str, _Stage] = {}
         self.current: str | None = None
+        self.last: str | None = None  # the stage that ended last
+        self.start = self.said = clock()  # when the log began; when it last wrote a line
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, daemon=True)
@@ -50,24 +53,31 @@ class Log:
             state.done, state.total = done, total
             if done >= total:
                 self._say(stage, state, now, f"done in {_duration(now - state.start)}")
-                self.current = None if self.current == stage else self.current
+                self.current, self.last = (None, stage) if self.current == stage else (self.current, self.last)
             elif now - state.said >= self.every:
                 self._say(stage, state, now, self._progress(state, now))
 
     def beat(self) -> None:
-        """Write the current stage's state if no line was written for `every` seconds (the heartbeat calls it)."""
+        """Write the current stage's state, or between stages that the run is still working, if no line was written
+        for `every` seconds (the heartbeat calls it)."""
         with self.lock:
             now = self.clock()
+            if now - self.said < self.every:
+                return
             state = self.stages.get(self.current) if self.current else None
-            if state is not None and now - state.said >= self.every:
+            if state is not None:
                 self._say(self.current, state, now, self._progress(state, now))
+            else:
+                after = f"{self.last} ended {_duration(now - self.stages[self.last].said)} ago" if self.last else "no step has reported yet"
+                self.said = now
+                self.write(f"still working after {_duration(now - self.start)} ({after})")
 
     def _beat(self) -> None:
         while not self.stop.wait(min(self.every, 1.0) if self.every > 0 else 1.0):
             self.beat()
 
     def _say(self, stage: str, state: _Stage, now: float, what: str) -> None:
-        state.said = now
+        state.said = self.said = now
         self.write(f"{stage}: {what}")
 
     @staticmethod
