@@ -185,7 +185,7 @@ def export(
     """Export a Hugging Face causal LM to an ONNX folder that optimum and ONNX Runtime can run."""
     from surgery.files.export import export as run_export
 
-    with contextlib.redirect_stdout(sys.stderr if ctx.obj.verbose else io.StringIO()):  # exporters print progress; stdout is for results
+    with _progress(), contextlib.redirect_stdout(sys.stderr if ctx.obj.verbose else io.StringIO()):  # exporters print progress; stdout is for results
         result = run_export(source, out_dir, past=past, gguf_file=gguf_file, opset=opset, exporter=exporter, validate=validate, dtype=dtype)
     kv = ("with KV cache" if result.past else "no KV cache") + (", float16" if result.dtype == "fp16" else "")
     tok = "" if result.has_tokenizer else " (no usable tokenizer in the source: give evaluate and parallelize --tokenizer)"

@@ -154,7 +154,7 @@ def divergence(score: Perplexity, base: Perplexity | None = None, *, resamples: 
     kl, low, high = _bootstrap(np.asarray(score.window_kl, np.float64), score.window_tokens, resamples, seed)
     p99 = float(np.percentile(np.asarray(score.token_kl, np.float64), 99))
     same = quality.of(base.token_nll, score.token_nll, score.token_kl, sum(score.window_top1)) if base and base.token_nll else None
-    return Divergence(kl, low, high, p99, sum(score.window_top1) / sum(score.window_tokens), same)
+    return Divergence(kl=kl, low=low, high=high, p99=p99, top1=sum(score.window_top1) / sum(score.window_tokens), llama_cpp=same)
 
 
 def _bootstrap(sums: np.ndarray, tokens: Sequence[int], resamples: int, seed: int) -> tuple[float, float, float]:
