@@ -47,8 +47,8 @@ def _numbers(report, path=""):
         yield path, report
 
 
-def _cli(args, env=None, wait=True):
-    command = [sys.executable, "-m", "surgery.cli", *args]
+def _cli(args, env=None, wait=True, prefix=()):
+    command = [*prefix, sys.executable, "-m", "surgery.cli", *args]
     environ = {**os.environ, "SURGERY_CHECKPOINT_SECONDS": "0", **(env or {})}  # a snapshot after every window
     if wait:
         return subprocess.run(command, capture_output=True, text=True, env=environ)

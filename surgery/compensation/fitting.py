@@ -50,6 +50,7 @@ from typing import Literal, get_args
 
 import numpy as np
 import onnx_ir as ir
+from threadpoolctl import threadpool_limits
 
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, Stage, fit_graph, fit_tap, switched
@@ -380,9 +381,13 @@ def fit(
     work.save("chunks", plan.chunks)
     runner = _Runner(windows, switched(len(plan.blocks), forms), pool, options, clock, progress, plan.runs, work)
     streams: list[np.ndarray] | None = None  # per window: the stream into this pass's first block
-    for c in range(len(plan.chunks)):
-        solved, streams = _fit_chunk(plan, runner, c, streams, settings)
-        results.update(solved)
+    # One BLAS thread for the float64 sums and solves, on every machine and as on each Ray actor: OpenBLAS splits its
+    # products by its thread count, which moves their last bits (SmolLM2's fixes differ by 4e-15 between 1 and 2 BLAS
+    # threads), and with them the written weights. ORT's thread count changes nothing.
+    with threadpool_limits(1, user_api="blas"):
+        for c in range(len(plan.chunks)):
+            solved, streams = _fit_chunk(plan, runner, c, streams, settings)
+            results.update(solved)
     return results
 
 

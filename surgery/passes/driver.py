@@ -15,6 +15,7 @@ from collections.abc import Collection
 from typing import Any
 
 import onnx_ir as ir
+from threadpoolctl import threadpool_limits
 
 from surgery.errors import SurgeryError
 from surgery.files.metadata import PASS, tag
@@ -53,9 +54,10 @@ def rewrite(model: "ir.Model | Subject", p: Pass | str, layers: Collection[int],
             if (why := q.refusal(subject, subject.blocks[layer], q_args)) is not None:
                 raise SurgeryError(why)
     changes: dict[str, list[Change]] = {q.name: [] for q, _ in chain}
-    for layer in chosen:
-        for q, q_args in chain:
-            changes[q.name].append(_apply(subject, q, layer, q_args))
+    with threadpool_limits(1, user_api="blas"):  # weights folded by one BLAS thread: the same bytes on any machine's thread count
+        for layer in chosen:
+            for q, q_args in chain:
+                changes[q.name].append(_apply(subject, q, layer, q_args))
     for q, q_args in chain:
         done = tuple(c.layer for c in changes[q.name] if c.applied)
         if done:
