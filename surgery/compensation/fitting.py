@@ -7,10 +7,9 @@ W_gate and W_up: no extra op). Then the output side: A = attn_out, P = mlp(u') (
 delta = mlp(ln2(resid_mid)) - P on calibration tokens. Fit delta ~ A w_a + P w_p + b, i.e. delta ~ z W with
 z = [A, P, 1] (the least squares: surgery.compensation.equations).
 
-The output side alone keeps the paper's mlp, evaluated where the parallel block can evaluate it; the input side
-moves it most of the way back to where the sequential block evaluated it (on SmolLM2-135M's blocks 5-7 and 21-29
-the linear prediction leaves 15-66 % of |v - u|^2 held out: benchmarks/RESULTS.md, "The fix's input side"), and the output side fixes
-what is left.
+The output side alone keeps the paper's mlp where the parallel block can evaluate it; the input side moves it most
+of the way back to where the sequential block did (SmolLM2-135M: 15-66 % of |v - u|^2 left held out; RESULTS, "The
+fix's input side"), and the output side fixes what is left.
 
 The normal equations are accumulated in one streamed pass of the fit graph (surgery.analysis.fit_graph: the
 switchboard with fit taps), so any set of already chosen blocks can be in place (switched on) while fitting others:
@@ -19,24 +18,18 @@ fold 0 leaves the least defect energy on fold 1, and the final fit uses both fol
 reports the held-out residual fraction E|delta - fit|^2 / E|delta|^2 (fold 1, fold-0 fit) and the
 one-pass score C_l^comp = E|delta - fit|^2 / E|y|^2.
 
-Memory: each layer's sums take 2 (2d + 1)(3d + 1) doubles: 32 MB at d_model 576, 1.6 GB at 4096 (the input
-side's, 2 (d + 1)(2d + 1), are freed before them). Layers are fitted in chunks that stay within `FitSettings.memory` (two
-passes over the windows per chunk, the input side's and the output side's, or one without an input side; at least
-one layer per chunk), so the bound is max(FitSettings.memory, one layer's sums). A pass runs only
-its own blocks: it starts from the stream into its first block that the pass before handed on (one
-[tokens, d_model] float32 array per window) and stops after its last block, so the passes together cost
-one forward pass over the windows however many there are. On Ray (`pool`) each actor sums one contiguous
-run of the windows and the driver adds the actors' sums in window order.
-Token 0 (the attention sink) is left out, as in every diagnostic.
+Memory: each layer's sums take 2 (2d + 1)(3d + 1) doubles: 32 MB at d_model 576, 1.6 GB at 4096 (the input side's,
+2 (d + 1)(2d + 1), are freed before them). Layers are fitted in chunks within `FitSettings.memory` (at least one layer
+each; two passes per chunk with an input side, else one). A pass runs only its own blocks, from the stream into its
+first block that the pass before handed on ([tokens, d_model] float32 per window), so the passes together cost one
+forward pass however many there are. On Ray (`pool`) each actor sums one contiguous run of the windows and the driver
+adds the actors' sums in window order. Token 0 (the attention sink) is left out, as in every diagnostic.
 
-Quantized output projections (MatMulNBits W_o and W_down): the fix is fitted on the int4 graph's own activations,
-and the same pass sums x x' of each projection's input (the parallel block's, for W_down: K_o^2 + K_down^2 more
-doubles per layer); after the solve the codes of W_o (I + w_a) and W_down (I + w_p) are chosen on the node's own
-scales error-aware with those moments (GPTQ, surgery.model.nbits), kept in Fix.packed; requantize `nearest` gathers
-nothing and leaves them to the fold, which rounds to nearest. Quantized mlp input projections (MatMulNBits W_gate and
-W_up, or a packed gate_up): the codes of (I + w_in) W are chosen the same way on sum u u', which the input side's
-pass sums anyway (Fix.packed_in), and the output side's pass computes the parallel mlp through those codes, so the
-output side fits what will run.
+Quantized projections (MatMulNBits): the fix is fitted on the int4 graph's own activations; the same pass sums x x' of
+W_o's and W_down's inputs, and after the solve the codes of W_o (I + w_a) and W_down (I + w_p) are chosen on the node's
+own scales error-aware with those moments (GPTQ, surgery.model.nbits; Fix.packed; `nearest` rounds instead). Quantized
+W_gate / W_up get the codes of (I + w_in) W the same way on sum u u' (Fix.packed_in), and the output side's pass runs
+the parallel mlp through those codes, so the output side fits what will run.
 """
 
 from __future__ import annotations
@@ -78,18 +71,16 @@ class FitSettings:
     """How fixes are fitted: parallelize's Fit options, read once.
 
     Attributes:
-        kind: `full` (ridge least squares: w_a, w_p, b, and an input side) or `gate` (alpha_l, the paper's scalar: Fix.gate).
-        windows: how many fit windows to read, from the corpus's calibration part (`--fit-windows`; `fit` takes the windows themselves).
-        memory: the bytes one pass's normal equations may take (`--fit-memory`: bytes, a size such as `4G`, or None / `auto`:
-            surgery.compensation.memory.memory_bound; bytes once built); at least one layer per pass.
-        requantize: where W_o and W_down are MatMulNBits, how the fold's codes are chosen (REQUANTIZE, `--requantize`): `gptq`,
-            error-aware on the second moments of their inputs gathered in the same pass, or `nearest`.
-        input_fix: a full fix also gets an input side (Fix.w_in, b_in) where the mlp's input projections are found (MatMulNBits ones
-            requantized), fitted in a pass of its own first (`--input-fix`); the output side then fits the defect the input-fixed mlp
-            leaves. A block compensated while fitted keeps its input side.
-        input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None): its equations have
-            d_model + 1 unknowns per output, the output side's 2 d_model + 1, and its ridge is chosen on the same alternating folds.
-        ridges: the ridge strengths to choose from, times diag(Z'Z); per layer, the one whose fold-0 fit leaves the least defect on fold 1.
+        kind: `full` (ridge least squares: w_a, w_p, b, and an input side) or `gate` (alpha_l, the paper's scalar).
+        windows: how many fit windows to read from the corpus's calibration part (`--fit-windows`).
+        memory: the bytes one pass's normal equations may take (`--fit-memory`: bytes, `4G`, or None / `auto`; bytes once built).
+        requantize: how a fold into MatMulNBits W_o / W_down chooses its codes (REQUANTIZE): `gptq`, on the moments of their
+            inputs summed in the same pass, or `nearest`.
+        input_fix: a full fix also gets an input side (Fix.w_in, b_in) where the mlp's input projections are found, fitted in
+            a pass of its own first (`--input-fix`); a block compensated while fitted keeps its own.
+        input_windows: the input side's pass runs on this many of the windows, evenly spaced (all when None).
+        ridges: the ridge strengths to choose from, times diag(Z'Z); per layer, the one whose fold-0 fit leaves the least
+            defect on fold 1.
 
     Raises:
         SurgeryError: an unknown kind or requantization, a memory bound that cannot be read, or input_windows below 1.
@@ -120,7 +111,6 @@ class FitSettings:
 
 class Fits(dict):
     """What `fit` returns: layer -> FitResult, and where the fit's time went (`seconds`: forward, accumulate, solve)."""
-
     seconds: dict[str, float]
 Sums = dict[int, NormalEquations | InputEquations]  # one pass's sums, by layer
 
@@ -361,10 +351,9 @@ def fit(
             (surgery.files.checkpoint; None: nothing kept). A resumed fit gives the same fixes, bit for bit, as one that ran through.
 
     Returns:
-        Fits: layer -> FitResult for each fitted block ({} when there is none): the fix (None when the fit failed or cannot be folded; note says why), the
-        held-out residual fraction and C_l^comp, the tokens it was fitted on, and the uncompensated scores (c, c_stream, alpha); and `seconds`, where the time
-        went: forward (the graph's runs), accumulate (the float64 sums; on Ray, both summed over the actors) and solve (the ridge choice, the
-        solve and any requantization).
+        Fits: layer -> FitResult of each fitted block ({} when none): the fix (None when the fit failed or cannot be folded; note says why),
+        the held-out residual fraction and C_l^comp, the tokens, the uncompensated scores (c, c_stream, alpha); `seconds`: forward (the graph's
+        runs), accumulate (the float64 sums; on Ray, summed over the actors) and solve (the ridge choice, the solve, any requantization).
 
     Raises:
         SurgeryError: no token embedding table, or a block in `layers` that cannot be fitted.
