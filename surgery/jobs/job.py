@@ -30,10 +30,10 @@ from surgery.passes import Fix, compensate, fuse, parallelize
 from surgery.passes.fuse import refusal as fuse_refusal
 
 
-def fit_fixes(subject: Subject, layers, fit: FitSettings, data: DataSettings, options: runtime.Options = runtime.Options()) -> dict[int, Fix]:
-    """The fixes of the given sequential blocks, fitted in one pass over `fit.windows` calibration windows (explicit --layers).
-    A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
-    windows = data.windows(subject, fit.windows, "calibration")
+def fit_fixes(subject: Subject, layers, fit: FitSettings, source: DataSettings, options: runtime.Options = runtime.Options()) -> dict[int, Fix]:
+    """The fixes of the given sequential blocks, fitted in one pass over `fit.windows` calibration windows of `source`
+    (explicit --layers). A block whose fit fails is an error: compensation was asked for, so it is never silently written plain."""
+    windows = source.windows(subject, fit.windows, "calibration")
     fits = compensation.fit(subject, windows, set(layers), settings=fit, options=options)
     for layer, f in sorted(fits.items()):
         if f.fix is None:

@@ -402,5 +402,14 @@ def interval(bounds) -> str:
 def with_interval(value, bounds) -> str:
     """A dNLL beside its interval: "+0.0123 [+0.0051, +0.0213]" (the value alone without one)."""
     if value is None or bounds is None:
-        return "n/a" if value is None else f"{value:.4g}"
+        return number(value)
     return f"{value:+.4f} {interval(bounds)}"
+
+
+def number(value) -> str:
+    """A report's value: `n/a` for None, 4 significant digits for a float, else as it prints."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

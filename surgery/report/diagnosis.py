@@ -3,7 +3,7 @@
 Structure: `write` (the folder) and `summary` (the headline numbers) take diagnose()'s Diagnosis; everything
 below them reads its report.json form (`Diagnosis.to_json()`): `markdown` (the summary, ablation and per-layer
 tables), `_html` (the same page as HTML), `_plots` (one `_plot_<section>` per section that ran, saved by `_save`),
-and `_fmt`; a dNLL beside its interval is surgery.measure.evaluate's `with_interval`.
+and the number formatting of surgery.measure.evaluate (`number`, `with_interval`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from surgery.files import output
-from surgery.measure.evaluate import with_interval
+from surgery.measure.evaluate import number, with_interval
 
 if TYPE_CHECKING:
     from surgery.diagnostics.diagnose import Diagnosis
@@ -77,7 +77,7 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
     for key, value in s.items():
         if key in ("model", "ablation_all_layers", "ablation_all_layers_interval", "ablation_all_layers_keep_sink", "critical_counts"):
             continue
-        lines.append(f"| {key} | {_fmt(value)} |")
+        lines.append(f"| {key} | {number(value)} |")
     notes = report.get("defect", {}).get("c_comp_note", {})
     for why in dict.fromkeys(notes.values()):  # each reason once, with its blocks
         lines += ["", f"No fix fitted (C_comp, compensated runs) at block(s) {', '.join(l for l, w in notes.items() if w == why)}: {why}."]
@@ -112,7 +112,7 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
     if present:
         lines += ["", "## Per layer", "", "| layer | form | " + " | ".join(n for n, _ in present) + " |", "|---|---|" + "---|" * len(present)]
         for l in range(n):
-            lines.append(f"| {l} | {report['model']['forms'][l]} | " + " | ".join(_fmt(get(report, l)) for _, get in present) + " |")
+            lines.append(f"| {l} | {report['model']['forms'][l]} | " + " | ".join(number(get(report, l)) for _, get in present) + " |")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{title}]({file})" for title, file in plots.items()]
     return "\n".join(lines) + "\n"
@@ -299,11 +299,3 @@ def summary_rows(diagnosis: Diagnosis) -> list[tuple[str, str]]:
             value = f"{value:.4f}"
         rows.append((key, str(value)))
     return rows
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
