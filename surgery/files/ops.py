@@ -49,6 +49,9 @@ ATTENTION = frozenset(
     {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedMultiHeadAttention", "PagedAttention",
      "SparseAttention", "DecoderMaskedMultiHeadAttention"}
 )
+# Attention ops that take a chunk of several tokens after a KV cache for one sequence at a time only (ORT's CPU
+# GroupQueryAttention: "batch_size must be 1 when sequence_length > 1 and past context is given").
+ONE_ROW_AFTER_PAST = frozenset({"GroupQueryAttention"})
 # Projections by a weight: op -> the input index of the weight. Only "MatMul" and "Gemm" hold it as plain floats.
 PROJECTIONS = {"MatMul": 1, "Gemm": 1, "FusedMatMul": 1, "MatMulNBits": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1,
                "MatMulIntegerToFloat": 1}

@@ -1,0 +1,162 @@
+"""Accuracy on downstream tasks (tasks.py) of one or more graphs on ONNX Runtime, the first the baseline.
+
+Each model scores each task's documents (likelihood.py); per document it is right or wrong under acc and acc_norm
+(lm-eval's metrics). Against the first model: the difference of accuracies with a paired 95 % bootstrap interval over
+documents (the same documents resampled for both), and "accuracy kept": the mean over tasks of this model's headline
+accuracy (acc_norm where lm-eval has it, acc otherwise; sciq acc) over the first's, its interval from resampling each
+task's documents. Never prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from surgery.measure import runtime
+from surgery.measure.likelihood import Likelihood
+from surgery.measure.progress import Tell, counter, silent
+from surgery.measure.tasks import Item, Task, items, parse
+
+RESAMPLES = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSettings:
+    """Which downstream tasks `surgery evaluate --tasks` and the main job's `--tasks` score: comma-separated names of
+    tasks.TASKS (`default`: tasks.DEFAULT, `all`); limit: the first N documents of each (None: all)."""
+
+    tasks: str = "default"
+    limit: int | None = None
+
+    def chosen(self) -> tuple[Task, ...]:
+        return parse(self.tasks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """One model on one task: the log-likelihood of every choice of every document."""
+
+    task: Task
+    loglikelihoods: tuple[np.ndarray, ...]  # one [choices] array per document
+    gold: np.ndarray
+    lengths: tuple[np.ndarray, ...]  # characters of each choice (acc_norm)
+    seconds: float
+
+    def correct(self, metric: str) -> np.ndarray:
+        """Per document, whether `metric` (acc or acc_norm) picks the gold choice; the first of tied scores wins, as np.argmax."""
+        if metric == "acc":
+            picks = [int(np.argmax(ll)) for ll in self.loglikelihoods]
+        else:
+            picks = [int(np.argmax(ll / n)) for ll, n in zip(self.loglikelihoods, self.lengths)]
+        return np.array(picks) == self.gold
+
+    def accuracy(self, metric: str) -> float:
+        return float(self.correct(metric).mean())
+
+
+def score(likelihood: Likelihood, task: Task, documents: Sequence[Item], progress=None) -> Scores:
+    """`task`'s documents under one model; progress(n) after n more documents."""
+    start = time.perf_counter()
+    lls = []
+    for item in documents:
+        lls.append(np.array([ll for ll, _ in likelihood(item.pairs)]))
+        if progress:
+            progress(1)
+    return Scores(task, tuple(lls), np.array([item.gold for item in documents]),
+                  tuple(np.array([float(len(c)) for c in item.choices]) for item in documents), time.perf_counter() - start)
+
+
+def paired(first: np.ndarray, other: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of other - first (per-document 0/1) and its paired 95 % bootstrap interval."""
+    diff = other.astype(np.float64) - first.astype(np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(diff), size=(resamples, len(diff)))
+    low, high = np.percentile(diff[picks].mean(1), [2.5, 97.5])
+    return float(diff.mean()), float(low), float(high)
+
+
+def kept(first: Sequence[np.ndarray], other: Sequence[np.ndarray], resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
+    """Mean over tasks of other's accuracy / of first's (per-document 0/1 arrays, one pair per task), and a 95 % bootstrap
+    interval: each task's documents resampled, the same for both models."""
+    rng = np.random.default_rng(seed)
+    point = float(np.mean([o.mean() for o in other]) / np.mean([f.mean() for f in first]))
+    ratios = np.empty(resamples)
+    for r in range(resamples):
+        picks = [rng.integers(0, len(f), len(f)) for f in first]
+        ratios[r] = np.mean([o[p].mean() for o, p in zip(other, picks)]) / np.mean([f[p].mean() for f, p in zip(first, picks)])
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return point, float(low), float(high)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Every model's Scores on every task (scores[model][task index]), with the models' names."""
+
+    names: tuple[str, ...]
+    scores: tuple[tuple[Scores, ...], ...]
+
+    @property
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(s.task for s in self.scores[0])
+
+    def kept(self, model: int) -> tuple[float, float, float]:
+        """Accuracy kept by model `model` (index) against the first, with its interval."""
+        return kept([s.correct(s.task.headline) for s in self.scores[0]], [s.correct(s.task.headline) for s in self.scores[model]])
+
+    def to_json(self) -> dict:
+        tasks = {}
+        for t, task in enumerate(self.tasks):
+            base = self.scores[0][t]
+            models = []
+            for name, scores in zip(self.names, self.scores):
+                own = scores[t]
+                entry = {"name": name, "seconds": round(own.seconds, 2), "documents_per_second": round(len(own.gold) / max(own.seconds, 1e-9), 2)}
+                entry |= {metric: own.accuracy(metric) for metric in task.metrics}
+                if own is not base:
+                    entry["vs_first"] = {metric: dict(zip(("difference", "low", "high"), paired(base.correct(metric), own.correct(metric))))
+                                         for metric in task.metrics}
+                models.append(entry)
+            tasks[task.name] = {"documents": len(base.gold), "headline": task.headline, "models": models}
+        average = [float(np.mean([s.accuracy(s.task.headline) for s in scores])) for scores in self.scores]
+        kept_rows = [dict(zip(("name", "kept", "low", "high"), (name, *self.kept(m)))) for m, name in enumerate(self.names) if m]
+        return {"tasks": tasks, "average": dict(zip(self.names, average)), "kept": kept_rows}
+
+
+def compare(models: Sequence[str | Path], names: Sequence[str], settings: TaskSettings, options: runtime.Options = runtime.Options(),
+            progress: Tell | None = None) -> Comparison:
+    """Every model on every task of `settings`, one model's session at a time; progress(stage, done, total) one stage per
+    model and task."""
+    tell = progress or silent
+    chosen = settings.chosen()
+    documents = [items(task, settings.limit) for task in chosen]  # read (and checked) before any model loads
+    scores = []
+    for model, name in zip(models, names):
+        likelihood = Likelihood(model, options)
+        scores.append(tuple(score(likelihood, task, docs, counter(tell, f"{task.name} {name}", len(docs)))
+                            for task, docs in zip(chosen, documents)))
+        del likelihood
+    return Comparison(tuple(names), tuple(scores))
+
+
+def table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
+    """What `surgery evaluate --tasks` prints: a header and one row per task and metric, then the average of the headline
+    metrics and the accuracy kept; every model after the first with its difference from the first and its interval."""
+    names = comparison.names
+    header = ["task", "metric", "docs", *names]
+    rows = []
+    for t, task in enumerate(comparison.tasks):
+        for metric in task.metrics:
+            base = comparison.scores[0][t]
+            cells = [f"{100 * base.accuracy(metric):.1f}"]
+            for scores in comparison.scores[1:]:
+                d, lo, hi = paired(base.correct(metric), scores[t].correct(metric))
+                cells.append(f"{100 * scores[t].accuracy(metric):.1f} ({100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}])")
+            rows.append([task.name, metric + (" *" if metric == task.headline else ""), str(len(base.gold)), *cells])
+    average = [100 * float(np.mean([s.accuracy(s.task.headline) for s in scores])) for scores in comparison.scores]
+    rows.append(["average *", "", "", *(f"{a:.1f}" for a in average)])
+    rows.append(["kept", "", "", "", *(f"{100 * k:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]" for k, lo, hi in
+                                       (comparison.kept(m) for m in range(1, len(names))))])
+    return header, rows

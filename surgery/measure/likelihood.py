@@ -1,0 +1,121 @@
+"""Log-likelihoods of continuations under an ONNX graph on ONNX Runtime, computed as lm-eval's `hf` model does.
+
+A (context, continuation) pair is tokenized as lm-eval 0.4.13 tokenizes it (trailing spaces of the context moved
+to the continuation, the whole string encoded and split after the context's tokens, no special tokens; an empty
+context is the BOS or EOS token) and scored on the context's and continuation's tokens, the oldest cut when they pass
+the model's position limit. Pairs that share a context share its KV cache: the context but its last token runs once,
+and its cache, copied once per continuation, is the past of one batch holding every continuation (each row starts at
+the context's last KEPT tokens, the last of which scores the first continuation token: KEPT = 2, so that no run after
+a cache is one token long, which int4 MatMulNBits computes with other kernels, 0.1 nats apart on SmolLM2). Rows are padded on the
+right, which a causal graph never reads (with ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention, each
+continuation runs alone after the shared cache). Graphs without a KV cache score each pair's whole row instead. Only the
+continuation tokens' log-probabilities leave the session (the scoring graph of evaluate.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from surgery.files import config, graph, ops
+from surgery.measure import data, runtime
+from surgery.measure.evaluate import NLL, TARGETS, TOP1, scoring_model
+
+KEPT = 2  # context tokens that run with the continuations: never a one-token run after a cache, whose kernels can differ
+ROWS = 16  # rows per run when pairs are scored whole (no shared context)
+DEFAULT_LENGTH = 2048  # lm-eval's when the model states no position limit
+
+
+class Likelihood:
+    """One session that scores (context, continuation) pairs under the graph at `model` (a file or its folder), with the
+    tokenizer beside it (or `tokenizer`)."""
+
+    def __init__(self, model: str | Path, options: runtime.Options = runtime.Options(), tokenizer: str | Path | None = None):
+        path = graph.resolve(model)
+        loaded = graph.load(path)
+        self.presents = [v.name for v in loaded.graph.outputs if v.name.startswith("present")]
+        self.session = runtime.session(scoring_model(loaded, keep=self.presents), options)
+        self.cached = runtime.has_kv_cache(self.session) and bool(self.presents)
+        self.one_row = any(node.op_type in ops.ONE_ROW_AFTER_PAST for node in loaded.graph.all_nodes())
+        self.tokenizer = data.load_tokenizer(path, tokenizer)
+        self.max_length = config.position_limit(path.parent) or DEFAULT_LENGTH
+        self.prefix_token = _prefix_token(path.parent, self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's split of a pair into context and continuation tokens."""
+        if not context:
+            return [self.prefix_token], self.encode(continuation)
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, head = self.encode(context + continuation), self.encode(context)
+        return head, whole[len(head) :]
+
+    def __call__(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """(log-likelihood in nats, whether greedy decoding gives the continuation) of each pair."""
+        return self.tokens([self.encode_pair(c, x) for c, x in pairs])
+
+    def tokens(self, pairs: Sequence[tuple[list[int], list[int]]], progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
+        """`__call__` for pairs already tokenized; progress(n) after each n pairs scored."""
+        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (context, _) in enumerate(pairs):
+            groups.setdefault(tuple(context), []).append(i)
+        whole = []
+        for context, members in groups.items():
+            longest = max(len(pairs[i][1]) for i in members)
+            if self.cached and len(members) > 1 and len(context) + longest <= self.max_length + 1:
+                self._shared(list(context), members, pairs, results)
+                if progress:
+                    progress(len(members))
+            else:
+                whole += members
+        whole.sort(key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+        for lo in range(0, len(whole), ROWS):
+            chunk = whole[lo : lo + ROWS]
+            rows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in chunk]
+            self._score(chunk, [r[:-1] for r in rows], [r[1:] for r in rows], [len(pairs[i][1]) for i in chunk], None, results)
+            if progress:
+                progress(len(chunk))
+        return results  # type: ignore[return-value]
+
+    def _shared(self, context: list[int], members: list[int], pairs, results) -> None:
+        keep = min(KEPT, len(context))
+        past = None
+        if len(context) > keep:
+            prefix = np.array([context[:-keep]], np.int64)
+            feed = runtime.feeds(self.session, prefix, extra={TARGETS: np.zeros_like(prefix)})
+            past = {name.replace("present", "past_key_values", 1): value for name, value in zip(self.presents, self.session.run(self.presents, feed))}
+        batches = [[i] for i in members] if self.one_row and past else [members]
+        for batch in batches:
+            rows = [context[-keep:] + pairs[i][1] for i in batch]
+            copies = None if past is None else {name: np.repeat(value, len(batch), axis=0) for name, value in past.items()}
+            self._score(batch, [r[:-1] for r in rows], [r[1:] for r in rows], [len(pairs[i][1]) for i in batch], copies, results)
+
+    def _score(self, members, rows, targets, lengths, past, results) -> None:
+        width = max(map(len, rows))
+        ids, goals = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
+        for r, (row, target) in enumerate(zip(rows, targets)):
+            ids[r, : len(row)], goals[r, : len(target)] = row, target
+        nll, top1 = self.session.run([NLL, TOP1], runtime.feeds(self.session, ids, past, extra={TARGETS: goals}))
+        for r, (i, row, n) in enumerate(zip(members, rows, lengths)):
+            span = slice(len(row) - n, len(row))
+            results[i] = (-float(nll[r, span].astype(np.float64).sum()), bool((top1[r, span] == goals[r, span]).all()))
+
+
+def _prefix_token(folder: Path, tokenizer) -> int:
+    """lm-eval's token before an empty context: the tokenizer's BOS, else its EOS (tokenizer_config.json), else id 0."""
+    settings = folder / "tokenizer_config.json"
+    named = json.loads(settings.read_text()) if settings.is_file() else {}
+    for key in ("bos_token", "eos_token"):
+        token = named.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+            return tokenizer.token_to_id(token)
+    return 0
