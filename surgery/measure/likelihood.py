@@ -1,8 +1,8 @@
 """Log-likelihoods of continuations under an ONNX graph on ONNX Runtime, computed as lm-eval's `hf` model does.
 
 A (context, continuation) pair is tokenized as lm-eval 0.4.13 tokenizes it (trailing spaces of the context moved
-to the continuation, the whole string encoded and split after the context's tokens, no special tokens; an empty
-context is the BOS or EOS token) and scored on the context's and continuation's tokens, the oldest cut when they pass
+to the continuation, the whole string encoded and split after the context's tokens, with the tokenizer's own special
+tokens (BOS where it prepends one); an empty context is the BOS or EOS token) and scored on the context's and continuation's tokens, the oldest cut when they pass
 the model's position limit. Pairs that share a context share its KV cache: the context but its last token runs once,
 and its cache, copied once per continuation, is the past of one batch holding every continuation (each row starts at
 the context's last KEPT tokens, the last of which scores the first continuation token: KEPT = 2, so that no run after
@@ -42,10 +42,15 @@ class Likelihood:
         self.one_row = any(node.op_type in ops.ONE_ROW_AFTER_PAST for node in loaded.graph.all_nodes())
         self.tokenizer = data.load_tokenizer(path, tokenizer)
         self.max_length = config.position_limit(path.parent) or DEFAULT_LENGTH
-        self.prefix_token = _prefix_token(path.parent, self.tokenizer)
+        prefix = _special(path.parent, self.tokenizer, ("bos_token", "eos_token"))
+        self.prefix_token = 0 if prefix is None else prefix  # lm-eval's token before an empty context
+        self.prefix_text = self.tokenizer.decode([self.prefix_token], skip_special_tokens=False) or "\0"
+        self.eos_token = _special(path.parent, self.tokenizer, ("eos_token",))
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """lm-eval's tok_encode: the tokenizer's own special tokens (BOS where its post-processor prepends one), none when
+        the text starts with the prefix token's text already."""
+        return self.tokenizer.encode(text, add_special_tokens=not text.startswith(self.prefix_text)).ids
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """lm-eval's split of a pair into context and continuation tokens."""
@@ -109,13 +114,13 @@ class Likelihood:
             results[i] = (-float(nll[r, span].astype(np.float64).sum()), bool((top1[r, span] == goals[r, span]).all()))
 
 
-def _prefix_token(folder: Path, tokenizer) -> int:
-    """lm-eval's token before an empty context: the tokenizer's BOS, else its EOS (tokenizer_config.json), else id 0."""
+def _special(folder: Path, tokenizer, keys: tuple[str, ...]) -> int | None:
+    """The id of the first of the special tokens `keys` (bos_token, eos_token) that tokenizer_config.json names; None if none."""
     settings = folder / "tokenizer_config.json"
     named = json.loads(settings.read_text()) if settings.is_file() else {}
-    for key in ("bos_token", "eos_token"):
+    for key in keys:
         token = named.get(key)
         token = token.get("content") if isinstance(token, dict) else token
         if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
             return tokenizer.token_to_id(token)
-    return 0
+    return None

