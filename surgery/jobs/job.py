@@ -18,7 +18,8 @@ from surgery.files.checkpoint import Checkpoints, digest, model_digest
 from surgery.jobs import select
 from surgery.jobs.picture import selection_picture
 from surgery.jobs.select import Selection, SelectionSettings, select_layers
-from surgery.measure import data, evaluate, runtime, timing
+from surgery.measure import accuracy, data, evaluate, runtime, timing
+from surgery.measure.accuracy import TaskSettings
 from surgery.measure.cluster import Resources
 from surgery.measure.data import DataSettings
 from surgery.measure.evaluate import Delta
@@ -69,6 +70,8 @@ class JobSettings:
             output, and resume from it when it holds an interrupted run of the same model, windows and options (surgery.files.checkpoint);
             a finished run removes it.
         restart: discard that work folder first instead of resuming from it.
+        tasks: also score the original and the rewritten model on downstream tasks (`--tasks`, TaskSettings; task documents
+            are never calibration data), reported as each task's accuracies, their paired intervals and the accuracy kept.
     """
 
     data: DataSettings = DataSettings()
@@ -80,6 +83,7 @@ class JobSettings:
     resources: Resources = Resources()
     checkpoints: bool = True
     restart: bool = False
+    tasks: TaskSettings | None = None
 
     def results(self) -> dict:
         """The settings that change results, by name (what a work folder is tied to, and what its refusal names): not those
@@ -108,6 +112,7 @@ class Outcome:
     resumed: dict[str, int] = dataclasses.field(default_factory=dict)  # finished units read back from the work folder, by step
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of the steps after the selection: evaluation
     checkpoints: dict = dataclasses.field(default_factory=dict)  # what writing the work folder's units cost: seconds, bytes, units
+    tasks: dict | None = None  # with --tasks: accuracy.Comparison.to_json() of the original and the rewritten model
 
     @property
     def over_budget(self) -> dict[str, dict[str, float]]:
@@ -149,6 +154,8 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
     """
     tell, fit, greedy, options = progress or silent, settings.fit, settings.selection, settings.resources.options
     select.ranking(greedy.score, fit)  # a score the fit cannot give fails before any work
+    if settings.tasks is not None:
+        settings.tasks.check()  # so do unknown tasks and missing task data
     subject = Subject(graph.load(model_path), str(model_path))  # read once: the windows' samples, the selection, the rewrite and the measurements take it
     graph.check_output(out, model_path, subject.model)
     model, blocks = subject.model, subject.blocks
@@ -169,12 +176,13 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
         seq_len = settings.data.seq_len
         times = timing.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
         prefill, decode, timed = _latency(model, rewritten, seq_len, settings.latency, options, tell) if settings.latency.measure else (None,) * 3
+        tasks = _tasks(model, rewritten, model_path, settings.tasks, options, tell, work, seconds) if settings.tasks else None
         outcome = Outcome(
             selection=selection, form=selection.describe(settings.fused), base_loss_eval=base.loss, dnll_eval=evaluate.delta(base, after),
             eval_tokens=ev.tokens, divergence_eval=evaluate.divergence(after, base), estimated_speedup=times.estimated_speedup(selection.layers),
             prefill_ratio=prefill, decode_ratio=decode, latency=timed,
             windows={name: w.describe() for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None},
-            estimate_placement=str(times.placement), resumed=work.resumed(), seconds=seconds, checkpoints=work.cost,
+            estimate_placement=str(times.placement), resumed=work.resumed(), seconds=seconds, checkpoints=work.cost, tasks=tasks,
         )
         written = _write(outcome, rewritten, out, model_path)
         work.finish()
@@ -199,6 +207,19 @@ def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options:
         scored = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
         work.save("evaluation", scored)
     return *scored, {"evaluation": time.perf_counter() - start}
+
+
+def _tasks(model: ir.Model, rewritten: ir.Model, model_path, tasks: TaskSettings, options: runtime.Options, tell: Tell, work: Checkpoints,
+           seconds: dict[str, float]) -> dict:
+    """Both models' accuracy on the downstream tasks (a checkpoint unit), with the tokenizer of the input's folder; adds its
+    seconds to `seconds`."""
+    start = time.perf_counter()
+    if (compared := work.load("tasks")) is None:
+        folder = graph.resolve(model_path).parent
+        compared = accuracy.compare([model, rewritten], ["original", "rewritten"], tasks, options, tell, folder).to_json()
+        work.save("tasks", compared)
+    seconds["tasks"] = time.perf_counter() - start
+    return compared
 
 
 def _work(out, model_path, model: ir.Model, windows: dict[str, data.Windows | None], settings: JobSettings) -> Checkpoints:

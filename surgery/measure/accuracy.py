@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 
 from surgery.measure import runtime
 from surgery.measure.likelihood import Likelihood
 from surgery.measure.progress import Tell, counter, silent
-from surgery.measure.tasks import Item, Task, items, parse
+from surgery.measure.tasks import Item, Task, arrow_file, items, parse
 
 RESAMPLES = 2000
 
@@ -34,6 +35,11 @@ class TaskSettings:
 
     def chosen(self) -> tuple[Task, ...]:
         return parse(self.tasks)
+
+    def check(self) -> None:
+        """Refuse unknown task names and missing task data (SurgeryError), before any model loads."""
+        for task in self.chosen():
+            arrow_file(task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +131,16 @@ class Comparison:
         return {"tasks": tasks, "average": dict(zip(self.names, average)), "kept": kept_rows}
 
 
-def compare(models: Sequence[str | Path], names: Sequence[str], settings: TaskSettings, options: runtime.Options = runtime.Options(),
-            progress: Tell | None = None) -> Comparison:
+def compare(models: Sequence[str | Path | ir.Model], names: Sequence[str], settings: TaskSettings, options: runtime.Options = runtime.Options(),
+            progress: Tell | None = None, folder: str | Path | None = None) -> Comparison:
     """Every model on every task of `settings`, one model's session at a time; progress(stage, done, total) one stage per
-    model and task."""
+    model and task. folder: the tokenizer's and config's (Likelihood), needed for models in memory."""
     tell = progress or silent
     chosen = settings.chosen()
     documents = [items(task, settings.limit) for task in chosen]  # read (and checked) before any model loads
     scores = []
     for model, name in zip(models, names):
-        likelihood = Likelihood(model, options)
+        likelihood = Likelihood(model, options, folder)
         scores.append(tuple(score(likelihood, task, docs, counter(tell, f"{task.name} {name}", len(docs)))
                             for task, docs in zip(chosen, documents)))
         del likelihood

@@ -19,7 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 
+from surgery.errors import SurgeryError
 from surgery.files import config, graph, ops
 from surgery.measure import data, runtime
 from surgery.measure.evaluate import NLL, TARGETS, TOP1, scoring_model
@@ -30,17 +32,19 @@ DEFAULT_LENGTH = 2048  # lm-eval's when the model states no position limit
 
 
 class Likelihood:
-    """One session that scores (context, continuation) pairs under the graph at `model` (a file or its folder), with the
-    tokenizer beside it (or `tokenizer`)."""
+    """One session that scores (context, continuation) pairs under `model` (an .onnx file or its folder, or a model in
+    memory), with the tokenizer and config of `folder` (the model's own folder when None)."""
 
-    def __init__(self, model: str | Path, options: runtime.Options = runtime.Options(), tokenizer: str | Path | None = None):
-        path = graph.resolve(model)
-        loaded = graph.load(path)
+    def __init__(self, model: str | Path | ir.Model, options: runtime.Options = runtime.Options(), folder: str | Path | None = None):
+        if folder is None and isinstance(model, ir.Model):
+            raise SurgeryError("a model in memory is scored with the folder of its tokenizer and config")
+        path = graph.resolve(folder if folder is not None else model)
+        loaded = model if isinstance(model, ir.Model) else graph.load(path)
         self.presents = [v.name for v in loaded.graph.outputs if v.name.startswith("present")]
         self.session = runtime.session(scoring_model(loaded, keep=self.presents), options)
         self.cached = runtime.has_kv_cache(self.session) and bool(self.presents)
         self.one_row = any(node.op_type in ops.ONE_ROW_AFTER_PAST for node in loaded.graph.all_nodes())
-        self.tokenizer = data.load_tokenizer(path, tokenizer)
+        self.tokenizer = data.load_tokenizer(path)
         self.max_length = config.position_limit(path.parent) or DEFAULT_LENGTH
         prefix = _special(path.parent, self.tokenizer, ("bos_token", "eos_token"))
         self.prefix_token = 0 if prefix is None else prefix  # lm-eval's token before an empty context

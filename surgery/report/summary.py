@@ -40,6 +40,7 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
         *([("over budget", _over_budget(outcome))] if outcome.over_budget else []),
         *([("llama.cpp", (f"Same top p {pm(lc, 'Same top p')}, 99.9% KLD {lc['99.9% KLD']:.4f}, RMS Δp {pm(lc, 'RMS Δp')} "
                           "(evaluation windows; selection.json has all of `perplexity --kl-divergence`'s)"))] if (lc := outcome.divergence_eval.to_json().get("llama_cpp")) else []),
+        *([("tasks", _tasks(outcome.tasks))] if outcome.tasks else []),
         ("speedup, estimate", f"{outcome.estimated_speedup:.3f}x (paper's estimate: max(t_attn, t_mlp) per parallel block, from kernel times"
                               f"{f' on {outcome.estimate_placement}' if outcome.estimate_placement else ''})"),
     ]
@@ -63,6 +64,21 @@ def _over_budget(outcome) -> str:
     return (f"held out, {' and '.join(parts)}: the budget was held on the {outcome.windows['selection']['count']} selection windows' point "
             "estimates, and on other text this set costs about the evaluation's numbers; for a set that stays within it there too, "
             "lower the limits or raise --windows")
+
+
+def _tasks(compared: dict) -> str:
+    """The accuracy kept on the downstream tasks, and each task's accuracies: `kept 98.1 % [95.0, 101.2]; arc_easy acc_norm 52.1 -> 51.0 ...`."""
+    kept = compared["kept"][0]
+    parts = []
+    for name, task in compared["tasks"].items():
+        first, rewritten = task["models"]
+        metric = task["headline"]
+        d = rewritten["vs_first"][metric]
+        parts.append(f"{name} {metric} {100 * first[metric]:.1f} -> {100 * rewritten[metric]:.1f} "
+                     f"({100 * d['difference']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}])")
+    documents = sorted({task["documents"] for task in compared["tasks"].values()})
+    return (f"accuracy kept {100 * kept['kept']:.1f} % [{100 * kept['low']:.1f}, {100 * kept['high']:.1f}] (mean over tasks, rewritten / original); "
+            + ", ".join(parts) + f"; points, paired 95 % intervals, {'/'.join(map(str, documents))} documents each")
 
 
 def _blocks_run(sel) -> str:
