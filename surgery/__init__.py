@@ -56,6 +56,7 @@ _API = {
     "LatencySettings": "surgery.measure.timing:LatencySettings",
     "Resources": "surgery.measure.cluster:Resources",
     "DiagnoseSettings": "surgery.diagnostics.diagnose:DiagnoseSettings",
+    "TaskSettings": "surgery.measure.accuracy:TaskSettings",
     # corpora and measurements
     "windows": "surgery.measure.data:windows",
     "Windows": "surgery.measure.data:Windows",
@@ -64,6 +65,7 @@ _API = {
     "divergence": "surgery.measure.evaluate:divergence",
     "delta": "surgery.measure.evaluate:delta",
     "latency": "surgery.measure.timing:latency",
+    "task_accuracy": "surgery.measure.accuracy:compare",  # not `compare`: that one is perplexity's
     "Perplexity": "surgery.measure.evaluate:Perplexity",
     "Divergence": "surgery.measure.evaluate:Divergence",
     "Delta": "surgery.measure.evaluate:Delta",

@@ -152,3 +152,17 @@ def test_the_main_job_refuses_unknown_tasks_before_any_work(tmp_path, fixture_pa
     out = tmp_path / "auto"
     result = runner.invoke(app, ["parallelize", str(fixture_path("llama")), "-o", str(out), "--tasks", "arc_easy,squad"])
     assert result.exit_code == 1 and said(result.stderr)[0].startswith("error: unknown task squad;") and not out.exists()
+
+
+def test_lm_evals_command_runs_the_model_through_surgery(fixture_path, tmp_path):
+    import subprocess
+    import sys
+
+    tiny = fixture_path("llama")
+    done = subprocess.run([sys.executable, "-m", "surgery.measure.harness", "run", "--model", "surgery", "--model_args", f"pretrained={tiny}",
+                           "--tasks", "winogrande", "--limit", "4"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("|winogrande"))
+    printed = float([cell.strip() for cell in row.split("|")][7])
+    ours = accuracy.score(Likelihood(tiny), tasks.TASKS["winogrande"], tasks.items(tasks.TASKS["winogrande"], 4))
+    assert printed == pytest.approx(ours.accuracy("acc"))
