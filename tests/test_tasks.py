@@ -102,6 +102,28 @@ def test_continuations_after_a_shared_cache_equal_whole_rows(tiny_export):
     assert [g for _, g in shared(pairs)] == [g for _, g in whole(pairs)]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_genai_graphs_score_after_a_shared_cache_one_row_at_a_time(reference, tmp_path, precision):
+    """The GenAI builder's GroupQueryAttention takes one sequence after a cache: its fp32 graph scores what lm-eval's hf
+    model scores; its int4 graph (int8 activations on CPU) scores what it scores on whole rows."""
+    pytest.importorskip("onnxruntime_genai")
+    from graphs.deployed import genai_build
+
+    tiny, _, _, results = reference
+    folder = genai_build(tiny.hf, tmp_path / precision, precision)
+    likelihood = Likelihood(folder)
+    assert likelihood.cached and likelihood.one_row
+    whole = Likelihood(folder)
+    whole.cached = False
+    for name in ("arc_easy", "hellaswag", "winogrande"):
+        samples = sorted(results["samples"][name], key=lambda s: int(s["doc_id"]))
+        for item, sample in zip(tasks.items(tasks.TASKS[name], LIMIT), samples):
+            ours = [ll for ll, _ in likelihood(item.pairs)]
+            np.testing.assert_allclose(ours, [ll for ll, _ in whole(item.pairs)], rtol=1e-5, atol=1e-4, err_msg=name)
+            if precision == "fp32":
+                np.testing.assert_allclose(ours, [float(r[0]) for r in sample["filtered_resps"]], rtol=1e-5, atol=1e-4, err_msg=name)
+
+
 def test_the_paired_interval_and_kept():
     first = np.array([1, 0] * 50, bool)
     assert accuracy.paired(first, first) == (0.0, 0.0, 0.0)

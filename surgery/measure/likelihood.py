@@ -15,7 +15,7 @@ continuation tokens' log-probabilities leave the session (the scoring graph of e
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +70,8 @@ class Likelihood:
         """(log-likelihood in nats, whether greedy decoding gives the continuation) of each pair."""
         return self.tokens([self.encode_pair(c, x) for c, x in pairs])
 
-    def tokens(self, pairs: Sequence[tuple[list[int], list[int]]], progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
-        """`__call__` for pairs already tokenized; progress(n) after each n pairs scored."""
+    def tokens(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """`__call__` for pairs already tokenized."""
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (context, _) in enumerate(pairs):
@@ -81,8 +81,6 @@ class Likelihood:
             longest = max(len(pairs[i][1]) for i in members)
             if self.cached and len(members) > 1 and len(context) + longest <= self.max_length + 1:
                 self._shared(list(context), members, pairs, results)
-                if progress:
-                    progress(len(members))
             else:
                 whole += members
         whole.sort(key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
@@ -90,8 +88,6 @@ class Likelihood:
             chunk = whole[lo : lo + ROWS]
             rows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in chunk]
             self._score(chunk, [r[:-1] for r in rows], [r[1:] for r in rows], [len(pairs[i][1]) for i in chunk], None, results)
-            if progress:
-                progress(len(chunk))
         return results  # type: ignore[return-value]
 
     def _shared(self, context: list[int], members: list[int], pairs, results) -> None:
