@@ -160,9 +160,14 @@ def _progress():
         with Log(lambda line: err.print(escape(line), highlight=False, soft_wrap=True), every=PROGRESS_EVERY) as log:
             yield log
         return
-    from rich.progress import Progress
+    from rich.progress import Progress, ProgressColumn
+    from rich.text import Text
 
-    with Progress(console=err, transient=True) as bar:
+    class Rate(ProgressColumn):  # units (windows, documents, repeats) per second
+        def render(self, task) -> Text:
+            return Text(f"{task.speed:.1f}/s" if task.speed else "", style="progress.data.speed")
+
+    with Progress(*Progress.get_default_columns(), Rate(), console=err, transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def tell(stage: str, done: int, total: int) -> None:
