@@ -214,10 +214,11 @@ def _tasks(model: ir.Model, rewritten: ir.Model, model_path, tasks: TaskSettings
     """Both models' accuracy on the downstream tasks (a checkpoint unit), with the tokenizer of the input's folder; adds its
     seconds to `seconds`."""
     start = time.perf_counter()
-    if (compared := work.load("tasks")) is None:
+    unit = "+".join(task.name for task in tasks.chosen()) + f"-{tasks.limit or 'all'}"  # a resumed run may ask for other tasks
+    if (compared := work.scope("tasks").load(unit)) is None:
         folder = graph.resolve(model_path).parent
         compared = accuracy.compare([model, rewritten], ["original", "rewritten"], tasks, options, tell, folder).to_json()
-        work.save("tasks", compared)
+        work.scope("tasks").save(unit, compared)
     seconds["tasks"] = time.perf_counter() - start
     return compared
 
