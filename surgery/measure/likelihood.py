@@ -8,7 +8,8 @@ and its cache, copied once per continuation, is the past of one batch holding ev
 the context's last KEPT tokens, the last of which scores the first continuation token: KEPT = 2, so that no run after
 a cache is one token long, which int4 MatMulNBits computes with other kernels, 0.1 nats apart on SmolLM2). Rows are padded on the
 right, which a causal graph never reads (with ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention, each
-continuation runs alone after the shared cache). Graphs without a KV cache score each pair's whole row instead. Only the
+continuation runs alone after the shared cache). Graphs without a KV cache, or that take no chunk of tokens after one
+(tried once), score each pair's whole row instead. Only the
 continuation tokens' log-probabilities leave the session (the scoring graph of evaluate.py).
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+import onnxruntime as ort
 
 from surgery.errors import SurgeryError
 from surgery.files import config, graph, ops
@@ -44,12 +46,29 @@ class Likelihood:
         self.session = runtime.session(scoring_model(loaded, keep=self.presents), options)
         self.cached = runtime.has_kv_cache(self.session) and bool(self.presents)
         self.one_row = any(node.op_type in ops.ONE_ROW_AFTER_PAST for node in loaded.graph.all_nodes())
+        self.cached = self.cached and self._chunks_after_cache()
         self.tokenizer = data.load_tokenizer(path)
         self.max_length = config.position_limit(path.parent) or DEFAULT_LENGTH
         prefix = _special(path.parent, self.tokenizer, ("bos_token", "eos_token"))
         self.prefix_token = 0 if prefix is None else prefix  # lm-eval's token before an empty context
         self.prefix_text = self.tokenizer.decode([self.prefix_token], skip_special_tokens=False) or "\0"
         self.eos_token = _special(path.parent, self.tokenizer, ("eos_token",))
+
+    def _chunks_after_cache(self) -> bool:
+        """Whether the graph takes several tokens after a KV cache, as the shared-context runs feed it (the GenAI builder's
+        fp16 CPU graphs take a prompt or one token only): tried once on two tokens after two, ORT's log kept quiet."""
+        quiet = ort.RunOptions()
+        quiet.log_severity_level = 4
+        ids = np.zeros((1, KEPT), np.int64)
+        try:
+            cache = self.session.run(self.presents, runtime.feeds(self.session, ids, extra={TARGETS: ids}), quiet)
+            past = {name.replace("present", "past_key_values", 1): np.repeat(v, 1 if self.one_row else 2, axis=0) for name, v in zip(self.presents, cache)}
+            rows = np.zeros((1 if self.one_row else 2, KEPT), np.int64)
+            self.session.run([NLL], runtime.feeds(self.session, rows, past, extra={TARGETS: rows}), quiet)
+        except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.Fail,
+                ort.capi.onnxruntime_pybind11_state.RuntimeException):
+            return False
+        return True
 
     def encode(self, text: str) -> list[int]:
         """lm-eval's tok_encode: the tokenizer's own special tokens (BOS where its post-processor prepends one), none when
