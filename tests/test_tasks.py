@@ -144,6 +144,10 @@ def test_the_paired_interval_and_kept():
     k, lo, hi = accuracy.kept([first, np.ones(10, bool)], [np.ones(100, bool), np.ones(10, bool)])
     assert k == pytest.approx(1.0 / 0.75) and lo < k < hi
     assert accuracy.kept([first], [first]) == (1.0, 1.0, 1.0)
+    rare = np.zeros(20, bool)
+    rare[0] = True  # most resamples of the first are right on no document: those are left out, the interval stays finite
+    k, lo, hi = accuracy.kept([rare], [np.ones(20, bool)])
+    assert k == 20.0 and np.isfinite([lo, hi]).all() and lo <= hi
 
 
 def test_acc_norm_divides_by_characters_and_ties_go_to_the_first():

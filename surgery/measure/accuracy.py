@@ -86,14 +86,17 @@ def paired(first: np.ndarray, other: np.ndarray, resamples: int = RESAMPLES, see
 
 def kept(first: Sequence[np.ndarray], other: Sequence[np.ndarray], resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
     """Mean over tasks of other's accuracy / of first's (per-document 0/1 arrays, one pair per task), and a 95 % bootstrap
-    interval: each task's documents resampled, the same for both models."""
+    interval: each task's documents resampled, the same for both models (resamples where the first is right on none
+    left out)."""
     rng = np.random.default_rng(seed)
-    point = float(np.mean([o.mean() for o in other]) / np.mean([f.mean() for f in first]))
     ratios = np.empty(resamples)
-    for r in range(resamples):
-        picks = [rng.integers(0, len(f), len(f)) for f in first]
-        ratios[r] = np.mean([o[p].mean() for o, p in zip(other, picks)]) / np.mean([f[p].mean() for f, p in zip(first, picks)])
-    low, high = np.percentile(ratios, [2.5, 97.5])
+    with np.errstate(divide="ignore", invalid="ignore"):  # a first model right on no document: no ratio
+        point = float(np.mean([o.mean() for o in other]) / np.mean([f.mean() for f in first]))
+        for r in range(resamples):
+            picks = [rng.integers(0, len(f), len(f)) for f in first]
+            ratios[r] = np.mean([o[p].mean() for o, p in zip(other, picks)]) / np.mean([f[p].mean() for f, p in zip(first, picks)])
+    ratios = ratios[np.isfinite(ratios)]
+    low, high = np.percentile(ratios, [2.5, 97.5]) if len(ratios) else (np.nan, np.nan)
     return point, float(low), float(high)
 
 
