@@ -145,7 +145,7 @@ def test_the_paired_interval_and_kept():
     assert k == pytest.approx(1.0 / 0.75) and lo < k < hi
     assert accuracy.kept([first], [first]) == (1.0, 1.0, 1.0)
     rare = np.zeros(20, bool)
-    rare[0] = True  # most resamples of the first are right on no document: those are left out, the interval stays finite
+    rare[0] = True  # a third of the resamples of the first are right on no document: those are left out, the interval stays finite
     k, lo, hi = accuracy.kept([rare], [np.ones(20, bool)])
     assert k == 20.0 and np.isfinite([lo, hi]).all() and lo <= hi
 
