@@ -91,6 +91,7 @@ python=${PYTHON:-python3}
 status=0
 step() {  # step NAME LIMIT_S SCRIPT ARGS...: its table to $OUT/NAME.md, its log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
+  [ ${#smoke[@]} -gt 0 ] && limit=$((limit * 5))  # --smoke checks the steps run, on a CPU that may be busy: no race against a GPU's budget
   local start=$SECONDS
   timeout "$limit" "$python" "$@" "${smoke[@]}" > "$out/$name.md" 2> "$out/$name.log"
   local rc=$?
