@@ -40,12 +40,13 @@ MAX_GEN_TOKS = 256  # lm-eval's default
 @register_model("surgery")
 class Harness(LM):
     """lm-eval's model interface on the graph at `pretrained` (an .onnx file or its folder, the tokenizer beside it).
-    device: cpu, or anything else for CUDA where it is usable (lm-eval's command passes `cuda` unasked); threads: ORT's intra-op threads. Other lm-eval arguments (batch_size,
-    ...) are accepted and ignored: contexts shared by several continuations are batched already."""
+    device: cpu, or anything else for CUDA where it is usable (lm-eval's command passes `cuda` unasked); threads: ORT's
+    intra-op threads. Other lm-eval arguments (batch_size, ...) are accepted and ignored: the continuations of a shared
+    context are batched already."""
 
     def __init__(self, pretrained: str, device: str = "auto", threads: int | None = None, max_gen_toks: int = MAX_GEN_TOKS, **ignored):
         super().__init__()
-        device = "cpu" if str(device) == "cpu" else "auto"  # lm-eval's command passes cuda by default: CUDA where usable
+        device = "cpu" if str(device) == "cpu" else "auto"
         self.likelihood = Likelihood(pretrained, runtime.Options(threads=int(threads) if threads else None, device=device))
         self.max_gen_toks = int(max_gen_toks)
 
