@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from surgery.measure import runtime
 from surgery.measure.likelihood import Likelihood
-from surgery.measure.progress import Tell, counter, silent
+from surgery.measure.progress import Step, Tell, counter, silent
 from surgery.measure.tasks import Item, Task, arrow_file, items, parse
 
 RESAMPLES = 2000
@@ -64,7 +64,7 @@ class Scores:
         return float(self.correct(metric).mean())
 
 
-def score(likelihood: Likelihood, task: Task, documents: Sequence[Item], progress=None) -> Scores:
+def score(likelihood: Likelihood, task: Task, documents: Sequence[Item], progress: Step | None = None) -> Scores:
     """`task`'s documents under one model; progress(n) after n more documents."""
     start = time.perf_counter()
     lls = []
