@@ -215,10 +215,11 @@ def _tasks(model: ir.Model, rewritten: ir.Model, model_path, tasks: TaskSettings
     seconds to `seconds`."""
     start = time.perf_counter()
     unit = "+".join(task.name for task in tasks.chosen()) + f"-{tasks.limit or 'all'}"  # a resumed run may ask for other tasks
-    if (compared := work.scope("tasks").load(unit)) is None:
+    scoped = work.scope("tasks")
+    if (compared := scoped.load(unit)) is None:
         folder = graph.resolve(model_path).parent
         compared = accuracy.compare([model, rewritten], ["original", "rewritten"], tasks, options, tell, folder).to_json()
-        work.scope("tasks").save(unit, compared)
+        scoped.save(unit, compared)
     seconds["tasks"] = time.perf_counter() - start
     return compared
 

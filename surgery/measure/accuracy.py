@@ -162,10 +162,19 @@ def table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             cells = [f"{100 * base.accuracy(metric):.1f}"]
             for scores in comparison.scores[1:]:
                 d, lo, hi = paired(base.correct(metric), scores[t].correct(metric))
-                cells.append(f"{100 * scores[t].accuracy(metric):.1f} ({100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}])")
+                cells.append(f"{100 * scores[t].accuracy(metric):.1f} ({points(d, lo, hi)})")
             rows.append([task.name, metric + (" *" if metric == task.headline else ""), str(len(base.gold)), *cells])
     average = [100 * float(np.mean([s.accuracy(s.task.headline) for s in scores])) for scores in comparison.scores]
     rows.append(["average *", "", "", *(f"{a:.1f}" for a in average)])
-    rows.append(["kept", "", "", "", *(f"{100 * k:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]" for k, lo, hi in
-                                       (comparison.kept(m) for m in range(1, len(names))))])
+    rows.append(["kept", "", "", "", *(share(*comparison.kept(m)) for m in range(1, len(names)))])
     return header, rows
+
+
+def points(difference: float, low: float, high: float) -> str:
+    """An accuracy difference and its interval, in points: "+1.1 [-0.6, +2.8]"."""
+    return f"{100 * difference:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+def share(kept: float, low: float, high: float) -> str:
+    """Accuracy kept and its interval: "100.6 % [98.9, 102.2]"."""
+    return f"{100 * kept:.1f} % [{100 * low:.1f}, {100 * high:.1f}]"

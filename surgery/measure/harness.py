@@ -94,7 +94,7 @@ def greedy(scorer: Likelihood, context: list[int], steps: int, done) -> list[int
         if done(made):
             break
         if scorer.cached:
-            past = {name.replace("present", "past_key_values", 1): value for name, value in zip(scorer.presents, presents)}
+            past = runtime.present_as_past(scorer.session, presents, scorer.presents)
             ids = np.array([[made[-1]]], np.int64)
         else:
             ids = np.array([context + made], np.int64)

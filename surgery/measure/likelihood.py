@@ -59,16 +59,20 @@ class Likelihood:
         fp16 CPU graphs take a prompt or one token only): tried once on two tokens after two, ORT's log kept quiet."""
         quiet = ort.RunOptions()
         quiet.log_severity_level = 4
-        ids = np.zeros((1, KEPT), np.int64)
+        rows = np.zeros((1 if self.one_row else 2, KEPT), np.int64)
         try:
-            cache = self.session.run(self.presents, runtime.feeds(self.session, ids, extra={TARGETS: ids}), quiet)
-            past = {name.replace("present", "past_key_values", 1): np.repeat(v, 1 if self.one_row else 2, axis=0) for name, v in zip(self.presents, cache)}
-            rows = np.zeros((1 if self.one_row else 2, KEPT), np.int64)
+            past = {name: np.repeat(v, len(rows), axis=0) for name, v in self.cache([0] * KEPT, quiet).items()}
             self.session.run([NLL], runtime.feeds(self.session, rows, past, extra={TARGETS: rows}), quiet)
         except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.Fail,
                 ort.capi.onnxruntime_pybind11_state.RuntimeException):
             return False
         return True
+
+    def cache(self, ids: list[int], run_options: ort.RunOptions | None = None) -> dict[str, np.ndarray]:
+        """The KV cache after the tokens `ids` (one sequence), as the past of a next run."""
+        row = np.array([ids], np.int64)
+        presents = self.session.run(self.presents, runtime.feeds(self.session, row, extra={TARGETS: row}), run_options)
+        return runtime.present_as_past(self.session, presents, self.presents)
 
     def encode(self, text: str) -> list[int]:
         """lm-eval's tok_encode: the tokenizer's own special tokens (BOS where its post-processor prepends one), none when
@@ -113,9 +117,7 @@ class Likelihood:
         keep = min(KEPT, len(context))
         past = None
         if len(context) > keep:
-            prefix = np.array([context[:-keep]], np.int64)
-            feed = runtime.feeds(self.session, prefix, extra={TARGETS: np.zeros_like(prefix)})
-            past = {name.replace("present", "past_key_values", 1): value for name, value in zip(self.presents, self.session.run(self.presents, feed))}
+            past = self.cache(context[:-keep])
         batches = [[i] for i in members] if self.one_row and past else [members]
         for batch in batches:
             rows = [context[-keep:] + pairs[i][1] for i in batch]

@@ -351,9 +351,10 @@ def has_kv_cache(sess: Session) -> bool:
     return any(arg.name.startswith("past_key_values") for arg in sess.get_inputs())
 
 
-def present_as_past(sess: Session, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """Map a run's present.N.key/value outputs to the past_key_values.N.key/value inputs of the next run."""
-    names = [o.name for o in sess.get_outputs()]
+def present_as_past(sess: Session, outputs: list[np.ndarray], names: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Map a run's present.N.key/value outputs to the past_key_values.N.key/value inputs of the next run. names: the
+    outputs' names when the run fetched only some (default: every output of the session, in order)."""
+    names = names or [o.name for o in sess.get_outputs()]
     return {
         name.replace("present", "past_key_values", 1): value
         for name, value in zip(names, outputs)

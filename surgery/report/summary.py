@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from surgery.measure.accuracy import points, share
 from surgery.measure.evaluate import pm
 from surgery.model.layers import format_layers
 
@@ -74,10 +75,9 @@ def _tasks(compared: dict) -> str:
         first, rewritten = task["models"]
         metric = task["headline"]
         d = rewritten["vs_first"][metric]
-        parts.append(f"{name} {metric} {100 * first[metric]:.1f} -> {100 * rewritten[metric]:.1f} "
-                     f"({100 * d['difference']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}])")
+        parts.append(f"{name} {metric} {100 * first[metric]:.1f} -> {100 * rewritten[metric]:.1f} ({points(d['difference'], d['low'], d['high'])})")
     documents = sorted({task["documents"] for task in compared["tasks"].values()})
-    return (f"accuracy kept {100 * kept['kept']:.1f} % [{100 * kept['low']:.1f}, {100 * kept['high']:.1f}] (mean over tasks, rewritten / original); "
+    return (f"accuracy kept {share(kept['kept'], kept['low'], kept['high'])} (mean over tasks, rewritten / original); "
             + ", ".join(parts) + f"; points, paired 95 % intervals, {'/'.join(map(str, documents))} documents each")
 
 
