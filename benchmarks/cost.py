@@ -38,7 +38,7 @@ The model counts what the code does (surgery/compensation/fitting.py, select.py,
 Seconds come from rates measured here on one block of each shape (Rates.measure): ONNX Runtime's forward of a
 one-block decoder of the shape on 256 tokens; the code's own runs of that decoder: a selection trial (its
 switchboard with a fix, scored as select scores trials: trials.BATCH windows a run, against a reference),
-diagnose's probe, loss runs and prefix sensitivity; the scored head (the MatMul, then evaluate.scoring_model's
+diagnose's probe, loss runs and prefix sensitivity; the scored head (the MatMul, then scoring.scoring_model's
 LogSoftmax, NLL, argmax and KL against a reference) on a slice of the vocabulary; the marginal cost of one
 window's accumulation of one layer's sums in the fit's own Accumulator (at d_model up to 4096, scaled by k^2
 above); one layer's solve (at d_model up to 1024, scaled by k^3); a session's setup per weight byte; the memory
@@ -157,8 +157,8 @@ class Rates:
     def measure(cls, s: Shape, scratch: Path) -> Rates:
         from graphs import big_decoder
         from surgery.compensation.equations import NormalEquations
+        from surgery.engine import runtime
         from surgery.files import graph
-        from surgery.measure import runtime
 
         rng = np.random.default_rng(0)
         t = 256
@@ -171,8 +171,8 @@ class Rates:
         feed = runtime.feeds(sess, rng.integers(0, 512, (1, t)))
         block = _seconds(lambda: sess.run(["logits"], feed), 5)
         from surgery.diagnostics import DiagnoseSettings, diagnose
-        from surgery.measure.cluster import Resources
-        from surgery.measure.data import DataSettings
+        from surgery.engine.cluster import Resources
+        from surgery.text.data import DataSettings
 
         # diagnose's own probe, loss runs and prefix sensitivity on the one-block decoder (its head: 512 tokens, negligible)
         n_cal, n_eval, only = 3, 2, ("deficit", "diversity", "defect", "gate", "ablation", "prefix")
@@ -220,22 +220,23 @@ HEAD_SLICE = 8192  # the scored head is measured on a slice of the vocabulary, s
 
 def _head(rng, d: int, t: int) -> float:
     """Seconds of the scored head on one window of t tokens and HEAD_SLICE of the vocabulary: the MatMul, then
-    what evaluate.scoring_model adds (LogSoftmax, the target's NLL, the argmax, the KL against a reference),
+    what scoring.scoring_model adds (LogSoftmax, the target's NLL, the argmax, the KL against a reference),
     fetched as a Scorer fetches them."""
     import onnx_ir as ir
     from onnx import TensorProto, helper, numpy_helper
 
-    from surgery.measure import evaluate, runtime
+    from surgery.engine import runtime
+    from surgery.measure import scoring
 
     w = numpy_helper.from_array(rng.standard_normal((d, HEAD_SLICE)).astype(np.float32) / d**0.5, "w")
     g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"])], "head",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch_size", "sequence_length", d])],
                           [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", HEAD_SLICE])], [w])
     model = ir.from_proto(helper.make_model(g, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]))
-    sess = runtime.session(evaluate.scoring_model(model, compare=True))
+    sess = runtime.session(scoring.scoring_model(model, compare=True))
     ref = np.log(np.full((1, t, HEAD_SLICE), 1.0 / HEAD_SLICE, np.float32))
-    feed = {"x": rng.standard_normal((1, t, d)).astype(np.float32), evaluate.TARGETS: np.zeros((1, t), np.int64), evaluate.REFERENCE: ref}
-    return _seconds(lambda: sess.run([evaluate.NLL, evaluate.TOP1, evaluate.KL], feed), 5)
+    feed = {"x": rng.standard_normal((1, t, d)).astype(np.float32), scoring.TARGETS: np.zeros((1, t), np.int64), scoring.REFERENCE: ref}
+    return _seconds(lambda: sess.run([scoring.NLL, scoring.TOP1, scoring.KL], feed), 5)
 
 
 def _loss_blocks(layers: int) -> int:
@@ -258,7 +259,7 @@ def _update(model, rng, t: int, windows: int = 8) -> float:
     sums, which a fit over tens of windows pays once per layer)."""
     from surgery.analysis.fit_graph import fit_graph, switched
     from surgery.compensation.fitting import Accumulator
-    from surgery.measure import runtime
+    from surgery.engine import runtime
 
     accumulator = Accumulator(fit_graph(model), runtime.Options(spinning=False))
     switches = switched(1)
@@ -273,15 +274,16 @@ def _trial(model, rng, t: int) -> float:
     compensation fix, scored against a reference in batches of trials.BATCH windows, the block switched on."""
     from surgery.analysis import switchboard as board_graph
     from surgery.analysis.fit_graph import kinds, switched
+    from surgery.engine import runtime
     from surgery.jobs.trials import BATCH
-    from surgery.measure import evaluate, runtime
-    from surgery.measure.data import Windows
+    from surgery.measure import scoring
     from surgery.model.embedding import embedding_table
     from surgery.passes import Fix
+    from surgery.text.data import Windows
 
     d = embedding_table(model)[1]
     fix = Fix(w_a=0.01 * rng.standard_normal((d, d)), w_p=0.01 * rng.standard_normal((d, d)), b=np.zeros(d))
-    scorer = evaluate.Scorer(board_graph.switchboard(model, kinds({0: fix})), runtime.Options(), compare=True)
+    scorer = scoring.Scorer(board_graph.switchboard(model, kinds({0: fix})), runtime.Options(), compare=True)
     windows = Windows(rng.integers(0, 512, (BATCH, t)), np.zeros(BATCH, np.int64), np.zeros(BATCH, np.int64), "random")
     reference: list = []
     scorer(windows, batch_size=BATCH, extra={board_graph.SWITCHES: switched(1)}, record=reference)
@@ -293,7 +295,8 @@ _COPIES = """
 import sys
 import numpy as np
 from surgery.files import graph
-from surgery.measure import runtime
+from surgery.engine import runtime
+from surgery.measure import scoring
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 start = rss()

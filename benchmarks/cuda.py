@@ -41,9 +41,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 from common import ROOT, SHAPES, TINY, block_sets, gpu_name, random_fixes, smollm2, table, written
 
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.jobs.job import rewrite
-from surgery.measure import runtime, timing
+from surgery.jobs.job import parallel_form
+from surgery.measure import timing
 from surgery.model.blocks import find_blocks
 from surgery.model.layers import format_layers, parse_layers
 
@@ -54,10 +55,10 @@ WAYS = ("ORT", "ORT + CUDA graphs")  # as ORT runs each node, and captured once 
 def variants(model: ir.Model, layers, fixes) -> dict[str, ir.Model]:
     return {
         "original": model,
-        "plain": rewrite(model, layers).model,
-        "fused": rewrite(model, layers, fused=True).model,
-        "compensated": rewrite(model, layers, fixes=fixes).model,
-        "fused compensated": rewrite(model, layers, fused=True, fixes=fixes).model,
+        "plain": parallel_form(model, layers).model,
+        "fused": parallel_form(model, layers, fused=True).model,
+        "compensated": parallel_form(model, layers, fixes=fixes).model,
+        "fused compensated": parallel_form(model, layers, fused=True, fixes=fixes).model,
     }
 
 
@@ -106,8 +107,8 @@ def main() -> None:
                 sets = [parse_layers(args.smollm2_layers if not args.smoke else "all", len(find_blocks(model)))]
                 from surgery.compensation.fitting import FitSettings
                 from surgery.jobs.job import fit_fixes  # reads the corpus: tokenizers
-                from surgery.measure.data import DataSettings
                 from surgery.model.subject import Subject
+                from surgery.text.data import DataSettings
 
                 fixes = fit_fixes(Subject(model, str(folder)), sets[0], FitSettings(windows=args.fit_windows), DataSettings(seq_len=fit_len), options)
                 label = f"{'tiny-llama (smoke)' if args.smoke else 'SmolLM2-135M'} (its export's type)"

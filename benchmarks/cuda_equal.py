@@ -4,7 +4,7 @@
     python benchmarks/cuda_equal.py --smoke    # CPU against CPU: checks the script, compares nothing
 
 The committed tiny fixtures (float32: graphs/tiny-llama, graphs/tiny-gpt2), each against its plain parallel rewrite
-of every block, scored by surgery.measure.evaluate.compare on 16 windows of 32 random token ids (no tokenizer: the GPU
+of every block, scored by surgery.measure.scoring.compare on 16 windows of 32 random token ids (no tokenizer: the GPU
 machine has none) on the CPU and on CUDA. One row per fixture: the original's loss, the rewrite's loss, KL and top-1
 on each device and the largest difference; exits 1 when a difference passes --tolerance (1e-4), or KL's relative
 difference passes 1e-3 (the fixtures' KL is small, so 1e-4 alone would say little about it).
@@ -23,11 +23,13 @@ import sys
 import numpy as np
 from common import ROOT, table
 
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.jobs.job import rewrite
-from surgery.measure import data, evaluate, runtime
+from surgery.jobs.job import parallel_form
+from surgery.measure import scoring, statistics
 from surgery.model.blocks import find_blocks
 from surgery.model.embedding import embedding_table
+from surgery.text import data
 
 FIXTURES = ("tiny-llama", "tiny-gpt2")
 KL_RELATIVE = 1e-3
@@ -35,8 +37,8 @@ KL_RELATIVE = 1e-3
 
 def scores(models: list, windows: data.Windows, device: str) -> dict[str, float]:
     """The original's loss and the rewrite's loss, KL and top-1, on `device`: models = [original, rewrite]."""
-    base, other = evaluate.compare(models, windows, batch_size=4, options=runtime.Options(device=device))
-    div = evaluate.divergence(other)
+    base, other = scoring.compare(models, windows, batch_size=4, options=runtime.Options(device=device))
+    div = statistics.divergence(other)
     return {"loss": base.loss, "parallel loss": other.loss, "KL": div.kl, "top-1": div.top1}
 
 
@@ -58,8 +60,8 @@ def numbers(report, path: str = "") -> dict[str, float]:
 def ray_check(device: str, tolerance: float) -> tuple[dict, bool]:
     """diagnose on one Ray actor (with a GPU on cuda) against diagnose in this process: one row and whether they agree."""
     from surgery.diagnostics import DiagnoseSettings, diagnose
-    from surgery.measure.cluster import Resources
-    from surgery.measure.data import DataSettings
+    from surgery.engine.cluster import Resources
+    from surgery.text.data import DataSettings
 
     settings = DiagnoseSettings(DataSettings(seq_len=32), windows=2, eval_windows=2, only=("deficit", "defect", "ablation"))
     runs = [numbers(diagnose(ROOT / "graphs" / "tiny-llama", settings, Resources(runtime.Options(device=device), workers)).to_json())
@@ -85,7 +87,7 @@ def main() -> None:
     rows, worst, ok = [], 0.0, True
     for name in FIXTURES:
         model = graph.load(ROOT / "graphs" / name)
-        models = [model, rewrite(model, range(len(find_blocks(model)))).model]  # passes leave their input as it was
+        models = [model, parallel_form(model, range(len(find_blocks(model)))).model]  # passes leave their input as it was
         windows = random_windows(model)
         cpu, dev = scores(models, windows, "cpu"), scores(models, windows, other)
         diff, kl_rel = max(abs(cpu[k] - dev[k]) for k in cpu), abs(cpu["KL"] - dev["KL"]) / cpu["KL"]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from common import ROOT, table
 
-from surgery.measure import data, evaluate
+from surgery.measure import scoring, statistics
+from surgery.text import data
 
 FOLDER = ROOT / "out" / "domains"
 FORTUNES = Path("/usr/share/games/fortunes")
@@ -71,9 +72,9 @@ def main() -> None:
     rows = []
     for name in args.corpora.split(","):
         ws = data.windows(args.models[0], corpus(name), seq_len=256, max_windows=args.windows, part="all")
-        results = evaluate.compare(args.models, ws)
+        results = scoring.compare(args.models, ws)
         for model, score in zip(args.models[1:], results[1:]):
-            div, dnll = evaluate.divergence(score), evaluate.delta(results[0], score)
+            div, dnll = statistics.divergence(score), statistics.delta(results[0], score)
             rows.append({
                 "corpus": f"{name} ({len(ws)} windows, {ws.tokens} tokens)",
                 "model": model,

@@ -26,10 +26,11 @@ from common import smollm2, table
 
 from surgery.compensation.fitting import FitSettings
 from surgery.files import graph
-from surgery.jobs.job import rewrite
+from surgery.jobs.job import parallel_form
 from surgery.jobs.select import PATIENCE, Budget, SelectionSettings, select_layers
-from surgery.measure import data, evaluate
+from surgery.measure import scoring, statistics
 from surgery.model.layers import format_layers
+from surgery.text import data
 
 FITS = {"plain": None, "outputs": "full", "compensated": "full", "refit": "full", "drift": "full"}
 
@@ -58,8 +59,8 @@ def main() -> None:
             s = select_layers(model, sel, fit_windows=fit_windows, fit=fit, settings=greedy)
             fixes = s.fixes
             seconds = time.perf_counter() - start
-            base, after = evaluate.compare([model, rewrite(model, s.layers, fixes=fixes).model], ev)
-            kl, d = evaluate.divergence(after), evaluate.delta(base, after)
+            base, after = scoring.compare([model, parallel_form(model, s.layers, fixes=fixes).model], ev)
+            kl, d = statistics.divergence(after), statistics.delta(base, after)
             rows.append({"method": method, "--max-kl": budget, "blocks": len(s.layers), "layers": format_layers(s.layers) or "-",
                          "KL [95 % CI]": str(kl), "KL p99": f"{kl.p99:.3f}", "top-1": f"{100 * kl.top1:.1f} %",
                          "dNLL [95 % CI]": str(d), "seconds": f"{seconds:.0f}"})
@@ -70,7 +71,7 @@ def main() -> None:
                 for k in range(1, len(order) + 1):
                     prefix = order[:k]
                     sub = {l: f for l, f in fixes.items() if l in prefix}
-                    curve.append(evaluate.divergence(evaluate.compare([model, rewrite(model, prefix, fixes=sub).model], ev)[1]).kl)
+                    curve.append(statistics.divergence(scoring.compare([model, parallel_form(model, prefix, fixes=sub).model], ev)[1]).kl)
                 curves[method] = curve
                 print(f"{method} @{budget}: held-out KL of each prefix, in the order kept: {[round(k, 4) for k in curve]}", flush=True)
     print(f"\nheld-out: {len(ev)} evaluation windows x 256 ({ev.tokens} tokens); dNLL limit {args.max_loss_increase}")

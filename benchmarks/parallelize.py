@@ -18,11 +18,13 @@ import time
 from common import smollm2, table
 
 from surgery.compensation.fitting import FitSettings
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.jobs.job import rewrite
+from surgery.jobs.job import parallel_form
 from surgery.jobs.select import Budget, SelectionSettings, select_layers
-from surgery.measure import data, evaluate, runtime, timing
+from surgery.measure import scoring, statistics, timing
 from surgery.model.layers import format_layers
+from surgery.text import data
 
 FITS = {"plain": None, "calibrated": "gate", "compensated": "full"}
 
@@ -51,9 +53,9 @@ def main() -> None:
         for name, fit in FITS.items():
             fitted = None if fit is None else FitSettings(kind=fit, memory=None)
             s = select_layers(model, sel, fit_windows=fit_windows, fit=fitted, settings=SelectionSettings(Budget(None, budget)), options=options)
-            variants[f"{name} @{budget}"] = (rewrite(model, s.layers, fixes=s.fixes).model, s, s.layers)
+            variants[f"{name} @{budget}"] = (parallel_form(model, s.layers, fixes=s.fixes).model, s, s.layers)
             if fit == "full":
-                variants[f"compensated + fused @{budget}"] = (rewrite(model, s.layers, fused=True, fixes=s.fixes).model, s, s.layers)
+                variants[f"compensated + fused @{budget}"] = (parallel_form(model, s.layers, fused=True, fixes=s.fixes).model, s, s.layers)
             print(f"{name} @{budget}: {format_layers(s.layers) or 'none'} ({len(s.layers)}), selection dNLL {s.dnll}, "
                   f"{s.forward_passes} selection passes, seconds {s.seconds}", flush=True)
     if args.all_layers:
@@ -61,17 +63,17 @@ def main() -> None:
 
         fits = fit_all(model, fit_windows, options=options)
         every = range(len(fits))
-        variants["plain all"] = (rewrite(model, every).model, None, tuple(every))
-        variants["compensated all"] = (rewrite(model, every, fixes={l: f.fix for l, f in fits.items() if f.fix}).model, None, tuple(every))
+        variants["plain all"] = (parallel_form(model, every).model, None, tuple(every))
+        variants["compensated all"] = (parallel_form(model, every, fixes={l: f.fix for l, f in fits.items() if f.fix}).model, None, tuple(every))
 
-    base = evaluate.perplexity(model, ev, options=options)
+    base = scoring.perplexity(model, ev, options=options)
     times = timing.branch_times(model, seq_len=args.seq_len)
     start = time.perf_counter()
     timed = timing.latency([m for m, _, _ in variants.values()], seq_len=args.seq_len, repeats=args.repeats, options=options)
     latency_s = time.perf_counter() - start
     rows = []
     for (name, (m, s, layers)), t in zip(variants.items(), timed):
-        d = None if name == "original" else evaluate.delta(base, evaluate.perplexity(m, ev, options=options))
+        d = None if name == "original" else statistics.delta(base, scoring.perplexity(m, ev, options=options))
         rows.append({
             "graph": name,
             "blocks": str(len(layers)),

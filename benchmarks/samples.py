@@ -20,8 +20,9 @@ import time
 import numpy as np
 from common import ROOT, smollm2, table
 
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.measure import corpus, data, runtime
+from surgery.text import corpus, data
 
 
 def main() -> None:

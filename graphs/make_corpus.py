@@ -1,11 +1,11 @@
-"""Make the built-in corpus's pinned file, surgery/measure/corpus-v1.jsonl.xz: five kinds of English text that Python
+"""Make the built-in corpus's pinned file, surgery/text/corpus-v1.jsonl.xz: five kinds of English text that Python
 and surgery's dependencies ship, read once from an environment and frozen, so that the default corpus is the same bytes
 on every machine and every install (docs/corpus.md names the sources and their licences).
 
     python graphs/make_corpus.py [--check]    # in an environment with surgery[export,test,genai,ray] installed
 
 The file was made with CPython 3.11.7 and the versions its first line records. Run it again only to make a new
-version of the corpus (a new file name and surgery.measure.corpus.DIGEST): results on the default corpus move with it.
+version of the corpus (a new file name and surgery.text.corpus.DIGEST): results on the default corpus move with it.
 --check rebuilds the pieces here and says whether they equal the pinned file's (they do only with the same versions).
 
     reference   the Python language reference (`pydoc_data.topics`)
@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from surgery.measure import corpus  # noqa: E402  (after the repository is on sys.path)
+from surgery.text import corpus  # noqa: E402  (after the repository is on sys.path)
 
 PIECE = 2000  # characters per piece (about two 256-token windows)
 SHARE = 160_000  # characters of each kind at most
@@ -180,7 +180,7 @@ def main() -> None:
     lines = [json.dumps(head)] + [json.dumps({"kind": k, "text": p}) for k, p in pieces_here]
     corpus.FILE.write_bytes(lzma.compress(("\n".join(lines) + "\n").encode("utf-8"), preset=9 | lzma.PRESET_EXTREME))
     print(f"wrote {corpus.FILE} ({corpus.FILE.stat().st_size} bytes, {len(pieces_here)} pieces); "
-          f"its digest, for surgery.measure.corpus.DIGEST: {corpus.text_digest([p for _, p in pieces_here])}")
+          f"its digest, for surgery.text.corpus.DIGEST: {corpus.text_digest([p for _, p in pieces_here])}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from surgery.version import __version__
 
 if TYPE_CHECKING:
     from surgery.model.subject import Subject
@@ -37,7 +37,7 @@ _API = {
     "compensate": "surgery.passes:compensate",
     "ablate": "surgery.passes:ablate",
     "fuse": "surgery.passes:fuse",
-    "apply_pass": "surgery.passes:rewrite",  # not `rewrite`: surgery.jobs.rewrite is a module
+    "apply_pass": "surgery.passes:rewrite",
     "Fix": "surgery.passes:Fix",
     "Change": "surgery.passes:Change",
     "SurgeryResult": "surgery.passes:SurgeryResult",
@@ -50,25 +50,25 @@ _API = {
     "auto": "surgery.jobs.job:auto",
     # settings: the commands' options, grouped and handed down whole
     "JobSettings": "surgery.jobs.job:JobSettings",
-    "DataSettings": "surgery.measure.data:DataSettings",
+    "DataSettings": "surgery.text.data:DataSettings",
     "FitSettings": "surgery.compensation.fitting:FitSettings",
     "SelectionSettings": "surgery.jobs.select:SelectionSettings",
     "LatencySettings": "surgery.measure.timing:LatencySettings",
-    "Resources": "surgery.measure.cluster:Resources",
+    "Resources": "surgery.engine.cluster:Resources",
     "DiagnoseSettings": "surgery.diagnostics.diagnose:DiagnoseSettings",
-    "TaskSettings": "surgery.measure.accuracy:TaskSettings",
+    "TaskSettings": "surgery.tasks.accuracy:TaskSettings",
     # corpora and measurements
-    "windows": "surgery.measure.data:windows",
-    "Windows": "surgery.measure.data:Windows",
-    "perplexity": "surgery.measure.evaluate:perplexity",
-    "compare": "surgery.measure.evaluate:compare",
-    "divergence": "surgery.measure.evaluate:divergence",
-    "delta": "surgery.measure.evaluate:delta",
+    "windows": "surgery.text.data:windows",
+    "Windows": "surgery.text.data:Windows",
+    "perplexity": "surgery.measure.scoring:perplexity",
+    "compare": "surgery.measure.scoring:compare",
+    "divergence": "surgery.measure.statistics:divergence",
+    "delta": "surgery.measure.statistics:delta",
     "latency": "surgery.measure.timing:latency",
-    "task_accuracy": "surgery.measure.accuracy:compare",  # not `compare`: that one is perplexity's
-    "Perplexity": "surgery.measure.evaluate:Perplexity",
-    "Divergence": "surgery.measure.evaluate:Divergence",
-    "Delta": "surgery.measure.evaluate:Delta",
+    "task_accuracy": "surgery.tasks.accuracy:task_accuracy",
+    "Perplexity": "surgery.measure.statistics:Perplexity",
+    "Divergence": "surgery.measure.statistics:Divergence",
+    "Delta": "surgery.measure.statistics:Delta",
     "diagnose": "surgery.diagnostics.diagnose:diagnose",
     "Diagnosis": "surgery.diagnostics.diagnose:Diagnosis",
 }

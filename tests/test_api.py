@@ -42,9 +42,9 @@ def test_the_submodules_stay_modules_after_the_api_is_used():
     surgery.compare, surgery.windows, surgery.select_layers  # noqa: B018
     from surgery.files import graph
     from surgery.jobs import select
-    from surgery.measure import evaluate
+    from surgery.measure import scoring
 
-    assert evaluate.__name__ == "surgery.measure.evaluate" and select.__name__ == "surgery.jobs.select" and graph.__name__ == "surgery.files.graph"
+    assert scoring.__name__ == "surgery.measure.scoring" and select.__name__ == "surgery.jobs.select" and graph.__name__ == "surgery.files.graph"
 
 
 def test_the_worked_example_in_docs_api_runs_as_written(monkeypatch, capsys):

@@ -12,8 +12,8 @@ import onnx_ir as ir
 import pytest
 
 from graphs import big_decoder
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.measure import runtime
 from surgery.model.blocks import find_blocks
 
 pytestmark = pytest.mark.slow

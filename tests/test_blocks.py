@@ -2,9 +2,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph
-from surgery.measure import runtime
 from surgery.model.blocks import find_blocks
 from tests.helpers import COMMITTED, FAMILIES, assert_found_tensors_equal_hooked, linear_model
 

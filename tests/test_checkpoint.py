@@ -17,16 +17,16 @@ import pytest
 
 from surgery.compensation.equations import FitResult, NormalEquations
 from surgery.compensation.fitting import FitSettings
+from surgery.engine.cluster import Resources
 from surgery.errors import SurgeryError
 from surgery.files import checkpoint
-from surgery.files.checkpoint import Checkpoints, work_folder
+from surgery.files.checkpoint import TYPES, Checkpoints, checkpointable, work_folder
 from surgery.jobs import job, select
 from surgery.jobs.job import JobSettings
-from surgery.measure import evaluate
-from surgery.measure.cluster import Resources
-from surgery.measure.data import DataSettings
+from surgery.measure import statistics
 from surgery.measure.timing import LatencySettings
 from surgery.passes import Fix
+from surgery.text.data import DataSettings
 from tests.helpers import said
 
 TIMES = {"seconds", "fit_seconds", "latency", "fit_memory", "estimated_speedup", "resumed", "checkpoints"}  # measured, not computed
@@ -170,7 +170,7 @@ def test_a_checkpoint_holds_the_fit_and_the_scores_exactly_and_rebuilds_no_other
     sums.update_inputs({"o_in": rng.standard_normal((5, 3))})
     fit = FitResult(2, Fix(w_a=rng.standard_normal((4, 4)), w_p=0.5, packed=(None, np.arange(6, dtype=np.uint8))), 1e-3, 0.25, 0.01, 10,
                     scores={"c": 0.1, "c_stream": 0.2, "alpha": 1.1})
-    score = evaluate.Perplexity(2.0, 7.39, 20, 2, 0.5, (1.5, 2.5), (10, 10), (0.1, 0.2), (3, 4), tuple(rng.random(20).tolist()), tuple(range(20)))
+    score = statistics.Perplexity(2.0, 7.39, 20, 2, 0.5, (1.5, 2.5), (10, 10), (0.1, 0.2), (3, 4), tuple(rng.random(20).tolist()), tuple(range(20)))
     with Checkpoints.open(tmp_path / "out", {"model": "a"}) as work:
         work.save("unit", {"sums": {3: sums}, "fit": fit, "score": score, "rows": [np.ones(2), None, "x"]})
     work = Checkpoints.open(tmp_path / "out", {"model": "a"})  # closed: this process may open it again
@@ -185,8 +185,28 @@ def test_a_checkpoint_holds_the_fit_and_the_scores_exactly_and_rebuilds_no_other
         work.save("bad", {"x": object()})
     meta = {"type": ["os", "system"], "fields": {}}  # a planted file may not name any type
     np.savez(work.folder / "planted.npz", meta=np.array(json.dumps(meta)))
-    with pytest.raises(SurgeryError, match=r"names the type os.system, which it may not hold\); add --restart"):
+    with pytest.raises(SurgeryError, match=r"names the type os.system, which no loaded module registered as checkpointable\); add --restart"):
         work.load("planted")
+
+
+def test_a_class_that_registers_itself_is_rebuilt_and_files_names_none_of_them(tmp_path):
+    """Checkpoints rebuild the classes that registered with @checkpointable where they are defined (the fit's, the
+    scores'), so surgery/files/checkpoint.py names no stage above it; an unregistered dataclass is refused."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain:
+        x: int
+
+    Kept = checkpointable(dataclasses.make_dataclass("Kept", [("x", int), ("y", np.ndarray)], frozen=True))
+    with Checkpoints.open(tmp_path / "out", {}) as work:
+        work.save("kept", Kept(3, np.arange(4)))
+        with pytest.raises(TypeError, match="cannot hold"):
+            work.save("plain", Plain(1))
+        back = work.load("kept")
+    assert type(back) is Kept and back.x == 3
+    np.testing.assert_array_equal(back.y, np.arange(4))
+    registered = {module for module, _ in TYPES}
+    assert {"surgery.compensation.equations", "surgery.passes.fix", "surgery.measure.statistics", "surgery.measure.quality"} <= registered
 
 
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
@@ -231,8 +251,8 @@ def test_a_job_whose_actor_dies_every_time_stops_the_run_in_one_line_naming_host
     pytest.importorskip("ray")
     import socket
 
+    from surgery.engine import cluster
     from surgery.files import graph
-    from surgery.measure import cluster
 
     model = graph.load(fixture_path("llama"))
     with cluster.pool(workers=1) as pool, pytest.raises(SurgeryError) as error:

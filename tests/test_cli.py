@@ -140,7 +140,7 @@ def test_counts_below_their_least_are_one_line_before_any_work(tmp_path, fixture
 
 
 def test_evaluate_scores_every_window_of_the_part_with_max_windows_all(fixture_path):
-    from surgery.measure import data
+    from surgery.text import data
 
     result = runner.invoke(app, ["evaluate", str(fixture_path("llama")), "--max-windows", "all", "--seq-len", "32", "--no-latency", "--json"])
     assert result.exit_code == 0, result.output

@@ -12,12 +12,12 @@ from surgery.cli import app
 from surgery.compensation.fitting import FitSettings
 from surgery.diagnostics import DiagnoseSettings, diagnose
 from surgery.diagnostics.diagnose import _diagnose
+from surgery.engine import cluster, runtime
+from surgery.engine.cluster import Resources
 from surgery.errors import SurgeryError
 from surgery.jobs.job import JobSettings
-from surgery.measure import cluster, runtime
-from surgery.measure.cluster import Resources
-from surgery.measure.data import DataSettings
 from surgery.measure.timing import LatencySettings
+from surgery.text.data import DataSettings
 from tests.helpers import said
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
@@ -124,8 +124,8 @@ def test_fit_on_a_local_2_cpu_ray_cluster_equals_the_in_process_fit(fixture_path
     from surgery import compensation
     from surgery.compensation.equations import NormalEquations
     from surgery.files import graph
-    from surgery.measure import data
     from surgery.model.embedding import embedding_table
+    from surgery.text import data
 
     path = fixture_path("llama")
     model = graph.load(path)
@@ -160,7 +160,7 @@ def test_cuda_actors_that_cannot_run_on_cuda_fail_in_one_line(fixture_path, tmp_
     pytest.importorskip("ray")
     from surgery import compensation
     from surgery.files import graph
-    from surgery.measure import data
+    from surgery.text import data
 
     path = fixture_path("llama")
     model = graph.load(path)

@@ -9,8 +9,8 @@ from surgery.compensation import memory
 from surgery.compensation.equations import RIDGES, NormalEquations
 from surgery.compensation.fitting import FitSettings
 from surgery.files import graph
-from surgery.measure import data
 from surgery.model.embedding import embedding_table
+from surgery.text import data
 
 
 def planted(d=6, n=400, seed=0, noise=0.0):
@@ -115,7 +115,7 @@ def test_a_pass_runs_only_its_own_blocks(fixture_path):
     """The pass of block 1 starts from the stream handed on by the pass of block 0 and stops after block 1: it has
     a third of the whole fit graph's MatMuls; its taps equal the whole graph's."""
     from surgery.analysis.switchboard import SWITCHES
-    from surgery.measure import runtime
+    from surgery.engine import runtime
 
     model = graph.load(fixture_path("llama"))
     whole = fit_graph.fit_graph(model)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from graphs import make_corpus
-from surgery.measure import corpus, data
+from surgery.text import corpus, data
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("reference", "library", "science", "legal", "readme")

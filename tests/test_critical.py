@@ -6,8 +6,8 @@ import pytest
 from surgery.analysis import field as field_graph
 from surgery.diagnostics.critical import classify, find_critical_points, fixed_points, tangent_basis, tangent_jacobians
 from surgery.diagnostics.geometry import unit
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.measure import runtime
 from surgery.model.blocks import find_blocks
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from surgery.errors import SurgeryError
-from surgery.measure import data
+from surgery.text import data
 
 
 def test_default_corpus_is_pydoc_topics_in_sorted_order():
@@ -64,7 +64,8 @@ def test_the_default_is_text_and_the_models_own_samples_half_and_half(fixture_pa
     """The default corpus: half of each part's windows the built-in text, half samples the model wrote itself,
     spread over each other; the parts' samples differ, and each is the model's own next-token draw. Asked for every
     window, it is every text window."""
-    from surgery.measure import corpus, runtime
+    from surgery.engine import runtime
+    from surgery.text import corpus
 
     model = fixture_path("llama")
     cal = data.windows(model, seq_len=32, max_windows=10, part="calibration")
@@ -93,7 +94,7 @@ def test_the_gumbel_draw_samples_the_softmax_and_float_noise_in_the_logits_does_
     """corpus.draw: `gumbel` draws each token with its softmax probability; with logits moved by 1e-5 relative noise
     (more than float32 rounding) over a 32,000-token vocabulary with a long tail, the inverse-CDF rule moves some of
     1,000 draws to another token, the Gumbel-max rule none."""
-    from surgery.measure import corpus
+    from surgery.text import corpus
 
     p = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
     drawn = np.concatenate([corpus.draw(np.log(np.tile(p, (1000, 1))), [np.random.default_rng([3, r]) for r in range(k, k + 1000)])

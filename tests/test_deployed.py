@@ -15,15 +15,15 @@ from surgery.analysis.fit_graph import fit_graph, kinds, switched
 from surgery.cli import app
 from surgery.compensation.fitting import FitSettings
 from surgery.diagnostics import DiagnoseSettings
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import canonical, graph, metadata, ops
-from surgery.measure import runtime
-from surgery.measure.data import DataSettings
 from surgery.measure.timing import LatencySettings
 from surgery.model import nodes
 from surgery.model.blocks import find_blocks
 from surgery.model.embedding import embedding_table
 from surgery.passes import MODES, Fix, ablate, compensate, fuse, parallelize, projection
+from surgery.text.data import DataSettings
 from tests.helpers import FAMILIES, FLOAT32, Tol, assert_found_tensors_equal_hooked, assert_logits_equal
 from tests.helpers import logits as ids_logits
 
@@ -330,7 +330,7 @@ def test_default_main_job_on_a_genai_folder_generates_in_onnxruntime_genai(build
     decoding of the same graph by ONNX Runtime (the whole sequence each step, no cache: the same kernels; int4 at
     the builder's accuracy_level 4)."""
     from graphs.deployed import genai_greedy
-    from surgery.measure import runtime
+    from surgery.engine import runtime
 
     built = builds.variant(name)
     out = tmp_path / "out"
@@ -396,13 +396,14 @@ def test_diagnose_and_auto_read_a_genai_graph_like_the_optimum_export(builds, tm
 def test_kl_and_top1_agreement_equal_numpy_on_genai_graphs(builds, name, tmp_path, numpy_divergence):
     """evaluate's KL, p99 KL and top-1 agreement on GenAI builder graphs (GroupQueryAttention, MatMulNBits)
     equal float64 NumPy on the raw logits of the original and a parallelized copy."""
-    from surgery.measure import data, evaluate
+    from surgery.measure import scoring, statistics
+    from surgery.text import data
 
     folder = builds.variant(name)
     rewritten = graph.write(parallelize(graph.load(folder), [0, 1]).model, tmp_path / "parallel", like=folder)
     w = data.windows(folder, seq_len=32, max_windows=4)
-    _, other = evaluate.compare([folder, rewritten], w)
-    got, expected = evaluate.divergence(other), numpy_divergence(folder, rewritten, w)
+    _, other = scoring.compare([folder, rewritten], w)
+    got, expected = statistics.divergence(other), numpy_divergence(folder, rewritten, w)
     assert got.kl > 1e-5
     assert got.kl == pytest.approx(expected["kl"], rel=1e-5, abs=1e-7)
     assert got.p99 == pytest.approx(expected["p99"], rel=1e-5, abs=1e-6)
@@ -415,7 +416,7 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     with the dequantized weights, block 1 parallel, hooks on o_proj and down_proj; token 0 left out), and each fix
     carries the GPTQ codes of W_o (I + w_a) and W_down (I + w_p) on those moments; `nearest` leaves them to the fold."""
     from surgery import compensation
-    from surgery.measure import data
+    from surgery.text import data
     from tests.reference import Edits
 
     torch = pytest.importorskip("torch")

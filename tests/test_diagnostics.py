@@ -13,11 +13,13 @@ from surgery.cli import app
 from surgery.diagnostics import SECTIONS, DiagnoseSettings, diagnose, prefix
 from surgery.diagnostics.diagnose import PARALLEL, ablation_kind, switch_losses
 from surgery.diagnostics.rank import spearman
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.measure import data, evaluate, runtime
-from surgery.measure.data import DataSettings
+from surgery.measure import scoring, statistics
 from surgery.model.blocks import find_blocks
 from surgery.passes import ablate, compensate, parallelize
+from surgery.text import data
+from surgery.text.data import DataSettings
 
 runner = CliRunner()
 
@@ -92,27 +94,27 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     assert report.defect["c_comp"] == pytest.approx([fits[layer].c_comp for layer in range(3)], rel=1e-6)
     assert report.defect["c_comp_note"] == {}
     windows = data.windows(path, seq_len=32, max_windows=4, part="evaluation")
-    base = evaluate.perplexity(model, windows).loss
+    base = scoring.perplexity(model, windows).loss
     assert report.ablation["base_loss"] == report.defect["base_loss"] == pytest.approx(base, abs=1e-6)
     def kl(rewritten):  # mean token KL and top-1 agreement of a written graph vs the original, scored on its own
-        d = evaluate.divergence(evaluate.compare([model, rewritten], windows)[1])
+        d = statistics.divergence(scoring.compare([model, rewritten], windows)[1])
         return pytest.approx(d.kl, rel=1e-4, abs=1e-7), pytest.approx(d.top1)
 
     for layer in range(3):
-        expected = evaluate.perplexity(parallelize(model, {layer}).model, windows).loss - base
+        expected = scoring.perplexity(parallelize(model, {layer}).model, windows).loss - base
         assert report.defect["dnll_parallel"][layer] == pytest.approx(expected, abs=1e-5)
         assert (report.defect["kl_parallel"][layer], report.defect["top1_parallel"][layer]) == kl(parallelize(model, {layer}).model)
         fixed = compensate(model, {layer: fits[layer].fix}).model
-        expected = evaluate.perplexity(fixed, windows).loss - base
+        expected = scoring.perplexity(fixed, windows).loss - base
         assert report.defect["dnll_compensated"][layer] == pytest.approx(expected, abs=1e-5)
         assert (report.defect["kl_compensated"][layer], report.defect["top1_compensated"][layer]) == kl(fixed)
         for branch in ("mlp", "attn"):
             got = report.ablation["per_layer"][branch]["radial"][layer]
-            expected = evaluate.perplexity(ablate(model, branch, "radial", {layer}).model, windows).loss - base
+            expected = scoring.perplexity(ablate(model, branch, "radial", {layer}).model, windows).loss - base
             assert got == pytest.approx(expected, abs=1e-5)
             got = report.ablation["per_layer_kl"][branch]["radial"][layer], report.ablation["per_layer_top1"][branch]["radial"][layer]
             assert got == kl(ablate(model, branch, "radial", {layer}).model)
-    expected = evaluate.perplexity(ablate(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
+    expected = scoring.perplexity(ablate(model, "mlp", "tangential", {0, 1, 2}).model, windows).loss - base
     assert report.ablation["all_layers"]["mlp"]["tangential"] == pytest.approx(expected, abs=1e-5)
     assert report.ablation["all_layers_kl"]["mlp"]["tangential"] == kl(ablate(model, "mlp", "tangential", {0, 1, 2}).model)[0]
     d = report.defect
@@ -121,7 +123,7 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
                               "c_comp": spearman(d["c_comp"], d[f"{runs}_compensated"])}
     assert d["kl_compensated"] != d["kl_parallel"]  # the fix changed something
     for branch, mode in (("mlp", "tangential"), ("attn", "radial")):  # the sink-kept column: position 0 keeps its output
-        kept = evaluate.perplexity(ablate(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
+        kept = scoring.perplexity(ablate(model, branch, mode, {0, 1, 2}, keep_sink=True).model, windows).loss - base
         assert report.ablation["all_layers_keep_sink"][branch][mode] == pytest.approx(kept, abs=1e-5)
 
     # each dNLL has its 95 % paired bootstrap interval beside it, the one delta() gives for separately scored graphs
@@ -135,11 +137,11 @@ def test_switchboard_losses_equal_separately_rewritten_graphs(fixture_path):
     assert len(pairs) == 6 + 2 * 3 * 4
     for dnll, (low, high) in pairs:
         assert low - 1e-12 <= dnll <= high + 1e-12 and low < high
-    scored = evaluate.perplexity(model, windows)
+    scored = scoring.perplexity(model, windows)
     for got, rewritten in [(report.defect["dnll_parallel_interval"][1], parallelize(model, {1}).model),
                            (report.ablation["per_layer_interval"]["attn"]["radial"][1], ablate(model, "attn", "radial", {1}).model),
                            (report.ablation["all_layers_interval"]["mlp"]["tangential"], ablate(model, "mlp", "tangential", {0, 1, 2}).model)]:
-        d = evaluate.delta(scored, evaluate.perplexity(rewritten, windows))
+        d = statistics.delta(scored, scoring.perplexity(rewritten, windows))
         assert got == pytest.approx([d.low, d.high], abs=1e-5)
 
 
@@ -174,11 +176,11 @@ def test_resumed_run_reads_only_the_given_resid_pre(fixture_path):
     blocks = find_blocks(model)
     resume = resumable_graph.resumable(model, blocks)
     assert [n.op_type for n in resume.model.graph].count("If") == 2  # every block but the last can be skipped
-    scorer = evaluate.Scorer(resume.model, keep=resume.resid_post)
+    scorer = scoring.Scorer(resume.model, keep=resume.resid_post)
     windows = data.windows(path, seq_len=32, max_windows=1, part="evaluation")
     kept = {}
     base = scorer(windows, extra=resume.inputs(0, {}), kept=kept)
-    assert base.loss == pytest.approx(evaluate.perplexity(model, windows).loss, rel=1e-6)
+    assert base.loss == pytest.approx(scoring.perplexity(model, windows).loss, rel=1e-6)
     for start in (1, 2):
         assert scorer(windows, extra=resume.inputs(start, kept)).loss == pytest.approx(base.loss, rel=1e-6)
         moved = {name: 2 * value for name, value in kept.items()}

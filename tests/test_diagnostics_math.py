@@ -55,7 +55,7 @@ def test_in_graph_statistics_equal_the_numpy_geometry(tokens):
     from surgery.analysis.defect import DefectStats
     from surgery.diagnostics import stats
     from surgery.diagnostics.geometry import alignment, effective_rank, mean_pairwise_cosine
-    from surgery.measure import runtime
+    from surgery.engine import runtime
 
     rng = np.random.default_rng(4)
     kinds = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "mlp_out_on_pre", "resid_post")

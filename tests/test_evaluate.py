@@ -7,10 +7,12 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery.cli import app
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph
-from surgery.measure import data, evaluate, runtime, timing
+from surgery.measure import scoring, statistics, timing
 from surgery.passes import ablate
+from surgery.text import data
 
 runner = CliRunner()
 
@@ -32,7 +34,7 @@ def _numpy_loss(model_path, windows) -> float:
 @pytest.mark.parametrize("stride", [None, 20])
 def test_perplexity_equals_numpy_on_the_logits(fixture_path, family, stride):
     w = data.windows(fixture_path(family), seq_len=48, stride=stride, max_windows=6)
-    got = evaluate.perplexity(fixture_path(family), w, batch_size=4)
+    got = scoring.perplexity(fixture_path(family), w, batch_size=4)
     assert got.tokens == w.tokens and got.windows == 6 and w.sampled.sum() == 3
     assert got.loss == pytest.approx(_numpy_loss(fixture_path(family), w), abs=1e-5)
     assert got.perplexity == pytest.approx(np.exp(got.loss))
@@ -49,12 +51,12 @@ def test_perplexity_equals_the_hf_torch_model(tiny_export):
     with torch.no_grad():
         logits = reference(input_ids=torch.from_numpy(w.ids)).logits.double()
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), torch.from_numpy(w.ids[:, 1:]).reshape(-1))
-    assert evaluate.perplexity(folder, w).loss == pytest.approx(float(nll), abs=1e-4)
+    assert scoring.perplexity(folder, w).loss == pytest.approx(float(nll), abs=1e-4)
 
 
-def _scored(window_nll, window_tokens) -> evaluate.Perplexity:
+def _scored(window_nll, window_tokens) -> statistics.Perplexity:
     loss = float(np.sum(window_nll) / np.sum(window_tokens))
-    return evaluate.Perplexity(loss, float(np.exp(loss)), int(np.sum(window_tokens)), len(window_tokens), 0.0,
+    return statistics.Perplexity(loss, float(np.exp(loss)), int(np.sum(window_tokens)), len(window_tokens), 0.0,
                                tuple(float(x) for x in window_nll), tuple(int(t) for t in window_tokens))
 
 
@@ -62,20 +64,20 @@ def test_delta_is_a_paired_bootstrap_over_windows():
     rng = np.random.default_rng(0)
     tokens = rng.integers(10, 60, size=12)
     base = _scored(rng.uniform(2, 4, size=12) * tokens, tokens)
-    same = evaluate.delta(base, base)
+    same = statistics.delta(base, base)
     assert (same.dnll, same.low, same.high) == (0, 0, 0)
-    shifted = evaluate.delta(base, _scored(np.array(base.window_nll) + 0.037 * tokens, tokens))  # +0.037 nats on every token
+    shifted = statistics.delta(base, _scored(np.array(base.window_nll) + 0.037 * tokens, tokens))  # +0.037 nats on every token
     for value in (shifted.dnll, shifted.low, shifted.high):
         assert value == pytest.approx(0.037, abs=1e-12)
     assert str(shifted) == "+0.0370 [+0.0370, +0.0370]" and shifted.to_json()["low"] == shifted.low
     with pytest.raises(SurgeryError, match="same windows"):
-        evaluate.delta(base, _scored(base.window_nll, tokens + 1))
+        statistics.delta(base, _scored(base.window_nll, tokens + 1))
 
     sim, true_mean, windows, per_window, covered = np.random.default_rng(1), 0.02, 20, 100, 0
     for _ in range(300):  # per-window dNLL i.i.d. N(0.02, 0.05) per token; the interval should cover 0.02 ~95 % of the time
         nll = sim.uniform(2, 4, size=windows) * per_window
         diff = sim.normal(true_mean, 0.05, size=windows) * per_window
-        d = evaluate.delta(_scored(nll, [per_window] * windows), _scored(nll + diff, [per_window] * windows))
+        d = statistics.delta(_scored(nll, [per_window] * windows), _scored(nll + diff, [per_window] * windows))
         assert d.low <= d.dnll <= d.high
         covered += d.low <= true_mean <= d.high
     assert 0.88 <= covered / 300 <= 0.99
@@ -88,16 +90,16 @@ def test_the_models_own_samples_count_in_kl_not_in_the_loss(fixture_path):
     other = graph.load(src)
     weight = next(v for v in other.graph.initializers.values() if v.const_value is not None and v.const_value.numpy().ndim == 2)
     weight.const_value = ir.tensor(weight.const_value.numpy() + rng.normal(0, 0.05, weight.const_value.shape).astype(np.float32))
-    base, changed = evaluate.compare([src, other], w)
+    base, changed = scoring.compare([src, other], w)
     text = ~w.sampled
     assert text.sum() == 4 and base.text().tolist() == np.flatnonzero(text).tolist()
     assert base.loss == pytest.approx(_numpy_loss(src, w), abs=1e-5)
     nll = lambda p: np.asarray(p.window_nll)[text].sum() / np.asarray(p.window_tokens)[text].sum()  # noqa: E731
-    assert evaluate.delta(base, changed).dnll == pytest.approx(nll(changed) - nll(base), abs=1e-12)
-    assert evaluate.divergence(changed).kl == pytest.approx(sum(changed.window_kl) / sum(changed.window_tokens), abs=1e-12)
-    both = evaluate.joined([evaluate.compare([src, other], w.take(range(k, k + 4)))[1] for k in (0, 4)])
+    assert statistics.delta(base, changed).dnll == pytest.approx(nll(changed) - nll(base), abs=1e-12)
+    assert statistics.divergence(changed).kl == pytest.approx(sum(changed.window_kl) / sum(changed.window_tokens), abs=1e-12)
+    both = statistics.joined([scoring.compare([src, other], w.take(range(k, k + 4)))[1] for k in (0, 4)])
     assert both.window_sampled == changed.window_sampled and both.loss == pytest.approx(changed.loss, abs=1e-6)
-    samples_only = evaluate.perplexity(src, w.take(np.flatnonzero(w.sampled)))
+    samples_only = scoring.perplexity(src, w.take(np.flatnonzero(w.sampled)))
     assert samples_only.loss == pytest.approx(sum(samples_only.window_nll) / samples_only.tokens)  # all samples: they count
 
 
@@ -141,7 +143,7 @@ def test_evaluate_command_compares_with_the_first_model(tmp_path, fixture_path):
     assert low <= second["dnll"] <= high and low < high
     assert first["kl"] is None and 0 < second["kl_interval"][0] <= second["kl"] <= second["kl_interval"][1]
     windows = data.windows(src, seq_len=32, max_windows=6)
-    assert second["kl"] == pytest.approx(evaluate.divergence(evaluate.compare([src, ablated], windows)[1]).kl)
+    assert second["kl"] == pytest.approx(statistics.divergence(scoring.compare([src, ablated], windows)[1]).kl)
     assert 0 <= second["top1_agreement"] < 1
     shown = runner.invoke(app, args[:-1] + ["--no-latency"])
     assert shown.exit_code == 0, shown.output
@@ -201,14 +203,14 @@ def test_kl_and_top1_agreement_equal_numpy_on_the_raw_logits(fixture_path, famil
     w = data.windows(folder, seq_len=40, stride=30, max_windows=5)
     rewritten = tmp_path / "mlp-scaled.onnx"
     graph.save(ablate(graph.load(folder), "attn", "scale", [0, 1], scale=3.0).model, rewritten)
-    base, same, other = evaluate.compare([folder, folder, rewritten], w)  # batch 1, as the NumPy side runs
+    base, same, other = scoring.compare([folder, folder, rewritten], w)  # batch 1, as the NumPy side runs
     expected = numpy_divergence(folder, rewritten, w)
-    got = evaluate.divergence(other)
+    got = statistics.divergence(other)
     assert got.kl > 1e-4 and got.low <= got.kl <= got.high
     assert got.kl == pytest.approx(expected["kl"], rel=1e-5, abs=1e-7)
     # one position's KL_t carries the float32 rounding of log-probs near -log(vocab): ~5e-7
     assert got.p99 == pytest.approx(expected["p99"], rel=1e-5, abs=1e-6)
     assert got.top1 == pytest.approx(expected["top1"])
-    assert other.loss == pytest.approx(evaluate.perplexity(rewritten, w).loss, abs=1e-6) and base.window_kl == ()
-    itself = evaluate.divergence(same)
+    assert other.loss == pytest.approx(scoring.perplexity(rewritten, w).loss, abs=1e-6) and base.window_kl == ()
+    itself = statistics.divergence(same)
     assert abs(itself.kl) < 1e-6 and itself.top1 == 1.0

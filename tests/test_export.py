@@ -122,8 +122,8 @@ def _hf_logits(folder, ids, attention):
 def test_export_equals_the_hf_model_in_eager_attention(family, exporter, past, tiny_export):
     """The exported logits equal the HF model's with eager attention, the reference implementation, to float
     error; for Gemma 2 sdpa attention is 3e-3 away, so an export that used it fails here."""
+    from surgery.engine import runtime
     from surgery.files import graph
-    from surgery.measure import runtime
 
     tiny = tiny_export(family, exporter=exporter, past=past, seed=0, **FAMILIES[family])  # Gemma 3 text: tests.helpers builds it
     ids = np.random.default_rng(0).integers(0, 512, size=(2, 11))

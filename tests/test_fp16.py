@@ -18,17 +18,18 @@ from typer.testing import CliRunner
 
 from surgery.cli import app
 from surgery.compensation.fitting import FitSettings
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.files.export import export
 from surgery.jobs import job
 from surgery.jobs.select import SelectionSettings
-from surgery.measure import evaluate, runtime
-from surgery.measure.data import DataSettings
+from surgery.measure import scoring
 from surgery.measure.timing import LatencySettings
 from surgery.model.embedding import stream_dtype
 from surgery.model.subject import Subject
 from surgery.passes import Fix, ablate, compensate, fuse, parallelize
+from surgery.text.data import DataSettings
 
 torch = pytest.importorskip("torch")
 
@@ -216,7 +217,7 @@ def test_fitted_fixes_in_fp16_match_the_fp32_fit(pair):
         assert a.w_p.dtype == b.w_p.dtype == np.float64
         assert np.abs(b.w_p - a.w_p).max() < 5e-3 * np.abs(a.w_p).max()  # measured 8.8e-4 of the fix's scale
     for fused in (False, True):
-        models = [job.rewrite(m, {0, 2}, fused=fused, fixes=f).model for m, f in zip((pair.m32, pair.m16), fits)]
+        models = [job.parallel_form(m, {0, 2}, fused=fused, fixes=f).model for m, f in zip((pair.m32, pair.m16), fits)]
         assert_keeps_float16(pair.m16, models[1])
         assert relative_error(logits(models[1]), logits(models[0])) < TOL
 
@@ -238,7 +239,7 @@ def test_auto_selection_runs_on_fp16(pair, tmp_path):
 def test_smollm2_fp16_rewrite_loses_what_the_fp32_rewrite_loses(smollm2, smollm2_fp16):
     """parallel 5,22,25 then mlp tangential there: the fp16 loss is within 1e-3 nats of the fp32 rewrite's
     (measured +2.7e-4 on 8 windows of 128 tokens; +8e-5 for the unrewritten export)."""
-    from surgery.measure import data
+    from surgery.text import data
 
     m32, m16 = graph.load(smollm2), graph.load(smollm2_fp16)
     assert stream_dtype(m16) == ir.DataType.FLOAT16
@@ -249,5 +250,5 @@ def test_smollm2_fp16_rewrite_loses_what_the_fp32_rewrite_loses(smollm2, smollm2
     rewritten = rewrite(m16)
     assert_keeps_float16(m16, rewritten)
     windows = data.windows(smollm2, seq_len=128, max_windows=4)
-    fp32, fp16 = evaluate.perplexity(rewrite(m32), windows), evaluate.perplexity(rewritten, windows)
+    fp32, fp16 = scoring.perplexity(rewrite(m32), windows), scoring.perplexity(rewritten, windows)
     assert np.isfinite(fp16.loss) and abs(fp16.loss - fp32.loss) < 1e-3

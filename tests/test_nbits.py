@@ -7,7 +7,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from surgery.measure import runtime
+from surgery.engine import runtime
 from surgery.model import nbits
 
 K, N = 96, 40

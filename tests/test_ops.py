@@ -7,8 +7,8 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_schemas
 
+from surgery.engine import runtime
 from surgery.files import graph, ops
-from surgery.measure import runtime
 
 D = 8
 

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery.cli import _QUIET_ENV, app
+from surgery.engine import runtime
 from surgery.files import graph, output
-from surgery.measure import runtime
 from tests.helpers import said
 
 runner = CliRunner()

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from surgery.analysis.switchboard import SWITCHES, Switch, switchboard, switches
 from surgery.cli import app
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph, metadata
-from surgery.measure import runtime
 from surgery.model.nodes import Emitter
 from surgery.model.subject import Subject
 from surgery.passes import PASSES, Change, Pass, ablate, register, rewrite

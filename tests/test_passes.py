@@ -3,9 +3,9 @@ import onnx_ir as ir
 import pytest
 
 from surgery.analysis import probe as probe_graph
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph, metadata
-from surgery.measure import runtime
 from surgery.model.blocks import find_blocks
 from surgery.model.embedding import stream_dtype
 from surgery.passes import MODES, ablate, parallelize

@@ -9,9 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery.cli import app
+from surgery.engine import runtime
 from surgery.files import graph
-from surgery.measure import data, evaluate, quality, runtime
+from surgery.measure import quality, scoring, statistics
 from surgery.passes import ablate, parallelize
+from surgery.text import data
 
 runner = CliRunner()
 
@@ -103,17 +105,17 @@ def test_llama_cpp_statistics_equal_numpy_on_the_raw_logits(fixture_path, tmp_pa
     folder = fixture_path("llama")
     w = data.windows(folder, "text", seq_len=40, stride=30, max_windows=5)  # text: the loss counts every window (as llama.cpp)
     rewritten = graph.write(ablate(graph.load(folder), "attn", "scale", [0, 1], scale=3.0).model, tmp_path / "ablated", like=folder)
-    base, same, other = evaluate.compare([folder, folder, rewritten], w, batch_size=2)
+    base, same, other = scoring.compare([folder, folder, rewritten], w, batch_size=2)
     assert len(base.token_nll) == len(other.token_nll) == len(other.token_kl) == w.tokens > 100
-    got = evaluate.divergence(other, base).llama_cpp.to_json()
+    got = statistics.divergence(other, base).llama_cpp.to_json()
     expected = numpy_llama_cpp(folder, rewritten, w)
     assert expected["Mean KLD"] > 1e-4 and expected["Same top p"] < 100 and abs(expected["Mean Δp"]) > 1e-4  # the models differ
     assert_report_equal(got, expected)
-    assert got["Mean KLD"] == pytest.approx(evaluate.divergence(other).kl, rel=1e-9)  # beside the bootstrap's point, the same mean
+    assert got["Mean KLD"] == pytest.approx(statistics.divergence(other).kl, rel=1e-9)  # beside the bootstrap's point, the same mean
     assert got["Mean ln(PPL(Q)/PPL(base))"] == pytest.approx(other.loss - base.loss, abs=1e-9)
-    itself = evaluate.divergence(same, base).llama_cpp
+    itself = statistics.divergence(same, base).llama_cpp
     assert abs(itself.mean_kld.value) < 1e-6 and itself.same_top_p == quality.Estimate(1.0, 0.0) and itself.rms_dp.value < 1e-6
-    assert evaluate.divergence(other).llama_cpp is None and "llama_cpp" not in evaluate.divergence(other).to_json()
+    assert statistics.divergence(other).llama_cpp is None and "llama_cpp" not in statistics.divergence(other).to_json()
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +132,10 @@ def test_llama_cpp_statistics_equal_numpy_on_genai_graphs(builds, name, tmp_path
     folder = builds.variant(name)
     rewritten = graph.write(parallelize(graph.load(folder), [0, 1]).model, tmp_path / "parallel", like=folder)
     w = data.windows(folder, seq_len=32, max_windows=4)
-    base, other = evaluate.compare([folder, rewritten], w)
+    base, other = scoring.compare([folder, rewritten], w)
     expected = numpy_llama_cpp(folder, rewritten, w)
     assert expected["Mean KLD"] > 1e-5 and expected["RMS Δp"] > 1e-4
-    assert_report_equal(evaluate.divergence(other, base).llama_cpp.to_json(), expected)
+    assert_report_equal(statistics.divergence(other, base).llama_cpp.to_json(), expected)
 
 
 def test_uncertainties_are_llama_cpps_standard_errors():

@@ -95,10 +95,10 @@ def test_the_summary_says_in_words_when_held_out_windows_read_the_choice_over_it
     from surgery.compensation.fitting import FitSettings
     from surgery.jobs import job
     from surgery.jobs.select import Budget, SelectionSettings
-    from surgery.measure.data import DataSettings
-    from surgery.measure.evaluate import Delta
+    from surgery.measure.statistics import Delta
     from surgery.measure.timing import LatencySettings
     from surgery.report import summary
+    from surgery.text.data import DataSettings
 
     settings = job.JobSettings(DataSettings(seq_len=32), FitSettings(windows=4), SelectionSettings(Budget(None, 1.0), windows=4),
                                eval_windows=2, latency=LatencySettings(measure=False), checkpoints=False)

@@ -12,12 +12,14 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from surgery.engine import runtime
+from surgery.engine.cluster import Resources
 from surgery.files import graph
+from surgery.jobs import evaluate
 from surgery.jobs.select import SelectionSettings
-from surgery.measure import evaluate, runtime, timing
-from surgery.measure.cluster import Resources
-from surgery.measure.data import DataSettings
+from surgery.measure import scoring, statistics, timing
 from surgery.measure.timing import LatencySettings
+from surgery.text.data import DataSettings
 from tests.conftest import ROOT
 
 
@@ -225,7 +227,7 @@ def test_latency_reads_each_sessions_placement_from_its_warm_up(fixture_path, tm
 
 
 def _score():
-    return evaluate.Perplexity(1.0, math.e, 4, 2, 0.1, (2.0, 2.0), (2, 2), (0.0, 0.0), (2, 2), (0.0,) * 4)
+    return statistics.Perplexity(1.0, math.e, 4, 2, 0.1, (2.0, 2.0), (2, 2), (0.0, 0.0), (2, 2), (0.0,) * 4)
 
 
 def _cuda_latency():
@@ -321,9 +323,9 @@ def test_the_cuda_benchmark_smoke_run_needs_only_the_gpu_machines_packages_and_p
 def test_the_cuda_equality_check_smoke_run_scores_each_fixture_like_evaluate():
     """CPU against CPU: each fixture's row is surgery.measure.evaluate's numbers for the fixture and its all-block plain parallel
     rewrite on 16 windows of 32 ids drawn by NumPy's generator seeded 0."""
-    from surgery.jobs.job import rewrite
-    from surgery.measure import data
+    from surgery.jobs.job import parallel_form
     from surgery.model.blocks import find_blocks
+    from surgery.text import data
 
     done = _smoke("cuda_equal.py")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -334,8 +336,8 @@ def test_the_cuda_equality_check_smoke_run_scores_each_fixture_like_evaluate():
         vocab = runtime.vocab_size(runtime.session(model, runtime.Options(device="cpu")))
         ids = np.random.default_rng(0).integers(0, vocab, (16, 32), dtype=np.int64)
         windows = data.Windows(ids, np.zeros(16, np.int64), np.arange(16) * 32, "random ids")
-        base, other = evaluate.compare([model, rewrite(model, range(len(find_blocks(model)))).model], windows)
-        div = evaluate.divergence(other)
+        base, other = scoring.compare([model, parallel_form(model, range(len(find_blocks(model)))).model], windows)
+        div = statistics.divergence(other)
         mine = {"loss": base.loss, "parallel loss": other.loss, "KL": div.kl, "top-1": div.top1}
         printed = [tuple(float(x) for x in cell.split("/")) for cell in row[1:5]]
         assert all(abs(a - mine[k]) < 1e-6 and a == b for (a, b), k in zip(printed, mine))
@@ -402,7 +404,7 @@ def test_the_torch_twin_of_each_block_form_computes_what_surgerys_graph_of_that_
     import cuda_torch
     import torch
 
-    from surgery.jobs.job import rewrite
+    from surgery.jobs.job import parallel_form
 
     shape = {**common.TINY, "dtype": "float32"}
     model = common.llama_shaped(**shape)
@@ -414,7 +416,7 @@ def test_the_torch_twin_of_each_block_form_computes_what_surgerys_graph_of_that_
     ids = np.random.default_rng(1).integers(0, shape["vocab"], (2, 12))
     checked = 0
     for layers in ([1], [0, 1]):
-        graphs = {"original": model, "plain": rewrite(model, layers).model, "fused": rewrite(model, layers, fused=True).model}
+        graphs = {"original": model, "plain": parallel_form(model, layers).model, "fused": parallel_form(model, layers, fused=True).model}
         for form, m in graphs.items():
             sess = runtime.session(m, runtime.Options(device="cpu"))
             prefill = sess.run(None, runtime.feeds(sess, ids[:, :11]))

@@ -8,15 +8,17 @@ from typer.testing import CliRunner
 from surgery.cli import app
 from surgery.compensation.fitting import FitSettings
 from surgery.diagnostics import DiagnoseSettings
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph
-from surgery.jobs.job import rewrite
+from surgery.jobs.job import parallel_form
 from surgery.jobs.select import Budget, SelectionSettings, _forms, select_layers
-from surgery.measure import data, evaluate, runtime
-from surgery.measure.data import DataSettings
+from surgery.measure import scoring, statistics
 from surgery.measure.timing import LatencySettings
 from surgery.model.blocks import find_blocks
 from surgery.passes import Fix, ablate, fuse, parallelize
+from surgery.text import data
+from surgery.text.data import DataSettings
 from tests.helpers import said
 
 runner = CliRunner()
@@ -36,8 +38,8 @@ def test_greedy_selection_keeps_only_what_fits(fixture_path):
     scores = [everything.c_stream[t.layer] for t in everything.trials]
     assert scores == sorted(scores)  # lowest defect first
     # The reported dNLL is the loss of the plain parallel graph of the chosen set, measured independently.
-    base = evaluate.perplexity(model, windows).loss
-    assert everything.dnll.dnll == pytest.approx(evaluate.perplexity(parallelize(model, everything.layers).model, windows).loss - base, abs=1e-5)
+    base = scoring.perplexity(model, windows).loss
+    assert everything.dnll.dnll == pytest.approx(scoring.perplexity(parallelize(model, everything.layers).model, windows).loss - base, abs=1e-5)
     assert everything.dnll.low <= everything.dnll.dnll <= everything.dnll.high
 
     nothing = select_layers(model, windows, fit=None, settings=SelectionSettings(Budget(1e-9, None)))
@@ -52,8 +54,8 @@ def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
     """A trial that adds block l starts at block l from the accepted set's stream; its KL, top-1 and dNLL are those
     of the written graph of the whole set, scored from block 0, whatever was accepted before it."""
     from surgery import compensation
+    from surgery.engine import cluster
     from surgery.jobs.trials import Trials
-    from surgery.measure import cluster
 
     path = fixture_path("llama")
     model = graph.load(path)
@@ -66,9 +68,9 @@ def test_resumed_trials_equal_the_written_graphs_scored_whole(fixture_path):
         forms = {**accepted, layer: form}
         d, kl, run = runs.loss(forms, new=layer)
         assert run["start"] == layer
-        written = rewrite(model, forms, fixes={l: fixes[l] for l, f in forms.items() if f == "compensated"}).model
-        base, after = evaluate.compare([model, written], windows)
-        expected = evaluate.divergence(after)
+        written = parallel_form(model, forms, fixes={l: fixes[l] for l, f in forms.items() if f == "compensated"}).model
+        base, after = scoring.compare([model, written], windows)
+        expected = statistics.divergence(after)
         assert (kl.kl, kl.top1) == (pytest.approx(expected.kl, rel=1e-3), expected.top1), forms  # KLs of 1e-4: float32 ulps of the logits
         assert d.dnll == pytest.approx(after.loss - base.loss, abs=1e-6), forms
         runs.accept(run)
@@ -115,7 +117,7 @@ class TestFused:
         edits = [("mlp", "scale", {layer}, a) for layer, a in alpha.items()]
         expected = tiny.reference(parallel=set(alpha), branch_edits=edits)
         for fused in (False, True):
-            model = rewrite(tiny.onnx, set(alpha), fused=fused, fixes={l: Fix.gate(a) for l, a in alpha.items()}).model
+            model = parallel_form(tiny.onnx, set(alpha), fused=fused, fixes={l: Fix.gate(a) for l, a in alpha.items()}).model
             assert_logits_equal(model, expected)
 
     def test_fused_kv_cache_folder_generates_like_the_hooked_model(self, tiny, tmp_path):
@@ -176,9 +178,9 @@ def test_auto_command_writes_the_model_and_selection_json(tmp_path, fixture_path
     assert [b["fix"] for b in facts["blocks"]] == ["compensated" if forms.get(str(i)) == "compensated" else None for i in range(3)]
     # the reported evaluation dNLL is that of the written graph
     ev = data.windows(fixture_path("gpt2"), seq_len=32, max_windows=2, part="evaluation")
-    measured = evaluate.perplexity(out, ev).loss - evaluate.perplexity(fixture_path("gpt2"), ev).loss
+    measured = scoring.perplexity(out, ev).loss - scoring.perplexity(fixture_path("gpt2"), ev).loss
     assert saved["dnll_eval"] == pytest.approx(measured, abs=1e-6)
-    kl = evaluate.divergence(evaluate.compare([fixture_path("gpt2"), out], ev)[1])
+    kl = statistics.divergence(scoring.compare([fixture_path("gpt2"), out], ev)[1])
     assert saved["divergence_eval"]["kl"] == pytest.approx(kl.kl, rel=1e-5) and saved["divergence_eval"]["top1_agreement"] == kl.top1
     assert all(t["kl_low"] <= t["kl"] <= t["kl_high"] for t in saved["selection"]["trials"])
 
@@ -219,7 +221,7 @@ def test_auto_on_a_bare_onnx_file(tmp_path, fixture_path):
 
 def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_path):
     """The switchboard's compensated trials equal the compensate pass: the selection dNLL is that of
-    the graph rewrite() writes, scored independently on the same windows."""
+    the graph parallel_form() writes, scored independently on the same windows."""
     path = fixture_path("llama")
     model = graph.load(path)
     cal = data.windows(path, seq_len=32, max_windows=20, part="calibration")
@@ -231,16 +233,16 @@ def test_compensated_selection_reports_what_the_rewritten_graph_does(fixture_pat
     assert selection.score == "c_comp"
     scores = [selection.c_comp[t.layer] for t in selection.trials[::2]]
     assert scores == sorted(scores)
-    base = evaluate.perplexity(model, windows)
+    base = scoring.perplexity(model, windows)
     for t in selection.trials[:2]:  # the first candidate alone, each form, against the passes
         fixes = {t.layer: selection.fits[t.layer].fix} if t.form == "compensated" else {}
-        graph_dnll = evaluate.perplexity(rewrite(model, [t.layer], fixes=fixes).model, windows).loss - base.loss
+        graph_dnll = scoring.perplexity(parallel_form(model, [t.layer], fixes=fixes).model, windows).loss - base.loss
         assert t.dnll == pytest.approx(graph_dnll, abs=1e-5)
-        kl = evaluate.divergence(evaluate.compare([model, rewrite(model, [t.layer], fixes=fixes).model], windows)[1])
+        kl = statistics.divergence(scoring.compare([model, parallel_form(model, [t.layer], fixes=fixes).model], windows)[1])
         assert (t.kl, t.top1) == (pytest.approx(kl.kl, rel=1e-4, abs=1e-7), pytest.approx(kl.top1))
-    written = rewrite(model, selection.layers, fixes=selection.fixes).model
-    assert selection.dnll.dnll == pytest.approx(evaluate.perplexity(written, windows).loss - base.loss, abs=1e-5)
-    kl = evaluate.divergence(evaluate.compare([model, written], windows)[1])
+    written = parallel_form(model, selection.layers, fixes=selection.fixes).model
+    assert selection.dnll.dnll == pytest.approx(scoring.perplexity(written, windows).loss - base.loss, abs=1e-5)
+    kl = statistics.divergence(scoring.compare([model, written], windows)[1])
     assert selection.divergence.kl == pytest.approx(kl.kl, rel=1e-4, abs=1e-7)
     kept = [t for t in selection.trials if t.kept]
     assert sorted((t.layer, t.form) for t in kept) == sorted(selection.forms.items())
@@ -271,9 +273,9 @@ def test_refit_with_the_chosen_blocks_in_place(fixture_path):
     assert selection.fit_passes == 3  # the input side's and the output side's, then the refit's (the refit keeps the input sides)
     expected = r["dnll_after"] if r["kept"] else r["dnll_before"]
     assert selection.dnll.dnll == pytest.approx(expected["dnll"])
-    base = evaluate.perplexity(model, windows).loss
-    written = rewrite(model, selection.layers, fixes=selection.fixes).model
-    assert selection.dnll.dnll == pytest.approx(evaluate.perplexity(written, windows).loss - base, abs=1e-5)
+    base = scoring.perplexity(model, windows).loss
+    written = parallel_form(model, selection.layers, fixes=selection.fixes).model
+    assert selection.dnll.dnll == pytest.approx(scoring.perplexity(written, windows).loss - base, abs=1e-5)
 
 
 def test_bad_compensation_requests_are_one_line(fixture_path, tmp_path):

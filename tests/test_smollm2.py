@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from surgery.cli import app
 from surgery.files import graph
 from surgery.jobs.job import JobSettings
+from surgery.measure import scoring
 from surgery.measure.timing import LatencySettings
 from surgery.model.blocks import find_blocks
 
@@ -47,7 +48,7 @@ def test_inspect_shows_30_sequential_blocks(smollm2):
 def test_found_tensors_equal_the_hooked_torch_model(smollm2, reference):
     from tokenizers import Tokenizer
 
-    from surgery.measure.data import default_corpus
+    from surgery.text.data import default_corpus
     from tests.helpers import Tol, assert_found_tensors_equal_hooked
 
     tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
@@ -60,8 +61,8 @@ def test_passes_match_the_hooked_torch_model(smollm2, reference):
     """parallel 5,22,25 and mlp tangential on all layers: ORT logits on 256 tokens equal hooked torch to 1e-3."""
     from tokenizers import Tokenizer
 
-    from surgery.measure.data import default_corpus
     from surgery.passes import ablate, parallelize
+    from surgery.text.data import default_corpus
     from tests.helpers import Tol, assert_logits_equal
     from tests.reference import edited_logits
 
@@ -78,10 +79,10 @@ def test_passes_match_the_hooked_torch_model(smollm2, reference):
 def test_loss_equals_the_torch_model(smollm2, reference):
     """ORT loss on built-in text windows equals the HF torch model's loss on the same windows to 1e-3 nats."""
 
-    from surgery.measure import data, evaluate
+    from surgery.text import data
 
     windows = data.windows(smollm2, "text", seq_len=256, max_windows=4)
-    got = evaluate.perplexity(smollm2, windows, batch_size=2)
+    got = scoring.perplexity(smollm2, windows, batch_size=2)
     with torch.no_grad():
         logits = reference(input_ids=torch.from_numpy(windows.ids)).logits.double()
     targets = torch.from_numpy(windows.ids[:, 1:]).reshape(-1)
@@ -96,7 +97,7 @@ def test_auto_parallel_with_defaults_keeps_eight_blocks_within_the_kl_budget_and
     12 on the Python reference alone before, whose budget did not hold on other text). Held out, dNLL is only held to
     its interval: on 4080 text tokens that is about +-0.01, half the limit."""
     from surgery.jobs.job import auto, rewrite
-    from surgery.measure import data
+    from surgery.text import data
 
     outcome, written = auto(smollm2, tmp_path / "auto", JobSettings(latency=LatencySettings(measure=False)))
     sel = outcome.selection
@@ -131,19 +132,19 @@ def genai(smollm2, reference, tmp_path_factory):
 
 
 def test_genai_builder_graph_measures_like_the_optimum_export(smollm2, genai):
-    from surgery.measure import data, evaluate
     from surgery.passes import ablate, parallelize
+    from surgery.text import data
 
     assert [b.form for b in find_blocks(graph.load(genai))] == ["sequential"] * 30
     windows = data.windows(smollm2, seq_len=128, max_windows=2)
     losses = {}
     for name, path in (("optimum", smollm2), ("genai", genai)):
         model = graph.load(path)
-        base = evaluate.perplexity(model, windows).loss
+        base = scoring.perplexity(model, windows).loss
         losses[name] = (
             base,
-            evaluate.perplexity(ablate(model, "mlp", "tangential", range(30)).model, windows).loss - base,
-            evaluate.perplexity(parallelize(model, {5, 22, 25}).model, windows).loss - base,
+            scoring.perplexity(ablate(model, "mlp", "tangential", range(30)).model, windows).loss - base,
+            scoring.perplexity(parallelize(model, {5, 22, 25}).model, windows).loss - base,
         )
     assert abs(losses["genai"][0] - losses["optimum"][0]) < 1e-4
     assert losses["optimum"][1] > 1.0  # the ablation really bites
@@ -156,7 +157,7 @@ def test_rewritten_genai_folder_generates_like_the_hooked_torch_model(smollm2, g
     from tokenizers import Tokenizer
 
     from graphs.deployed import genai_greedy
-    from surgery.measure.data import default_corpus
+    from surgery.text.data import default_corpus
     from tests.reference import greedy
 
     result = CliRunner().invoke(app, ["parallelize", str(genai), "--layers", "5,22,25", "-o", str(tmp_path / "out")])

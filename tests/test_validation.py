@@ -201,8 +201,8 @@ def test_every_command_checks_the_model_before_any_work(tmp_path, fixture_path, 
 
 
 def test_a_session_opened_from_a_path_checks_the_model_first(tmp_path, fixture_path):
+    from surgery.engine import runtime
     from surgery.errors import SurgeryError
-    from surgery.measure import runtime
 
     model, _ = _truncated_data(tmp_path, _with_external_data(fixture_path, tmp_path / "model"))
     with pytest.raises(SurgeryError, match="cut short"):

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from surgery.analysis import defect
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
-from surgery.measure import runtime
 from surgery.model import nodes
 from surgery.model.blocks import branch_nodes
 from surgery.model.embedding import stream_dtype

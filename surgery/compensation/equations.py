@@ -20,11 +20,13 @@ from collections.abc import Collection
 import numpy as np
 
 from surgery.analysis import defect
+from surgery.files.checkpoint import checkpointable
 from surgery.passes.fix import Fix
 
 RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0)  # times diag(Z'Z); chosen per layer on the held-out fold
 
 
+@checkpointable
 @dataclasses.dataclass(frozen=True)
 class FitResult:
     """One block's fitted fix and how well it generalises. fix is None when the fit failed (note says why).
@@ -106,6 +108,7 @@ class _Sums:
         return ridge, left, _ridge_solve(self.zz.sum(0), self.zd.sum(0), ridge)
 
 
+@checkpointable
 class NormalEquations(_Sums):
     """One block's running sums for delta ~ [A, P, 1] W, per fold, in float64."""
 
@@ -184,6 +187,7 @@ class NormalEquations(_Sums):
         return FitResult(layer, fix, ridge, left / max(float(self.dd[1]), 1e-300), left / max(float(self.yy[1]), 1e-300), tokens, "", scores)
 
 
+@checkpointable
 class InputEquations(_Sums):
     """One block's running sums for the input side, v - u ~ [u, 1] W with u = ln2(resid_pre) and v = ln2(resid_mid) as
     the mlp's input projections read them, per fold, in float64: Fix.w_in and b_in, so that the parallel block's mlp

@@ -49,17 +49,17 @@ from surgery.analysis import switchboard as board_graph
 from surgery.analysis.fit_graph import FIT_TAPS, INPUT_TAPS, MLP_IN_TAPS, RESUME, STREAM, Form, Stage, fit_graph, fit_tap, switched
 from surgery.compensation import memory, requantization
 from surgery.compensation.equations import RIDGES, FitResult, InputEquations, NormalEquations
+from surgery.engine import cluster, runtime
+from surgery.engine.progress import Count
 from surgery.errors import SurgeryError
 from surgery.files import checkpoint
 from surgery.files.checkpoint import Checkpoints
-from surgery.measure import cluster, runtime
-from surgery.measure.data import Windows, spread
-from surgery.measure.progress import Count
 from surgery.model.blocks import BlockMap
 from surgery.model.embedding import embedding_table
 from surgery.model.subject import Subject
 from surgery.passes import Fix, projection
 from surgery.passes.compensate import refusal
+from surgery.text.data import Windows, spread
 
 REQUANTIZE = ("gptq", "nearest")  # how a fix folded into MatMulNBits weights chooses their codes (surgery.model.nbits)
 Kind = Literal["full", "gate"]  # least-squares fix, or the paper's scalar gate alpha_l (--calibrate)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from surgery import __version__, compensation
+from surgery import compensation
 from surgery.analysis import field, probe, resumable, switchboard
 from surgery.analysis.defect import DefectStats
 from surgery.analysis.switchboard import Switch
@@ -36,16 +36,19 @@ from surgery.diagnostics import prefix, stats
 from surgery.diagnostics.geometry import unit
 from surgery.diagnostics.rank import spearman
 from surgery.diagnostics.sections import deficit, diversity
+from surgery.engine import cluster, runtime
+from surgery.engine.progress import Tell, silent
 from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.files.checkpoint import Checkpoints, digest, model_digest, reached
-from surgery.measure import cluster, data, evaluate, runtime
-from surgery.measure.data import DataSettings
-from surgery.measure.progress import Tell, silent
+from surgery.measure import scoring, statistics
 from surgery.model.embedding import embedding_table
 from surgery.model.subject import Subject
 from surgery.passes import Ablation, Compensation
 from surgery.passes.common import narrower_than_float32
+from surgery.text import data
+from surgery.text.data import DataSettings
+from surgery.version import __version__
 
 SECTIONS = ("deficit", "diversity", "defect", "gate", "critical", "prefix", "ablation")
 PROBED = frozenset(("deficit", "diversity", "defect", "gate", "critical"))  # the sections that need the probe's pass
@@ -443,7 +446,7 @@ def switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozens
             reached(f"diagnose losses window {i}")
         for run, part in zip([("base", None), *runs], kept_scores):
             parts[run].append(part)
-    base = evaluate.joined(parts[("base", None)])
+    base = statistics.joined(parts[("base", None)])
     measures = ("interval", "kl", "kl_interval", "top1")
     result: dict = {"base": base.loss, **{m: {kind: {} for kind in kinds} for m in measures}, **{kind: {} for kind in kinds}}
     for kind, layer in jobs:
@@ -451,8 +454,8 @@ def switch_losses(model, blocks, kinds, windows, options, tell, all_only=frozens
             for table in (result, *(result[m] for m in measures)):
                 table[kind][layer] = None  # nothing to measure
             continue
-        p = evaluate.joined(parts[(kind, layer)])
-        d, kl = evaluate.delta(base, p), evaluate.divergence(p)
+        p = statistics.joined(parts[(kind, layer)])
+        d, kl = statistics.delta(base, p), statistics.divergence(p)
         result[kind][layer] = p.loss - base.loss
         result["interval"][kind][layer] = [d.low, d.high]
         result["kl"][kind][layer], result["kl_interval"][kind][layer], result["top1"][kind][layer] = kl.kl, [kl.low, kl.high], kl.top1
@@ -465,15 +468,15 @@ class LossWindows:
 
     def __init__(self, model, kinds, n_layers: int, resume: resumable.Resumable | None, options: runtime.Options):
         self.kinds, self.n, self.resume = kinds, n_layers, resume
-        self.scorer = evaluate.Scorer(model, options, keep=resume.resid_post if resume else (), compare=True)
+        self.scorer = scoring.Scorer(model, options, keep=resume.resid_post if resume else (), compare=True)
 
-    def base(self, window: data.Windows) -> tuple[evaluate.Perplexity, dict[str, np.ndarray], list[evaluate.Reference]]:
+    def base(self, window: data.Windows) -> tuple[statistics.Perplexity, dict[str, np.ndarray], list[scoring.Reference]]:
         """The unchanged run: its score, the tensors it kept, and its next-token distribution (for KL)."""
         kept: dict = {}
         reference: list = []
         return self.scorer(window, extra=self._extra(None, kept), kept=kept, record=reference), kept, reference
 
-    def runs(self, window: data.Windows, runs: list[tuple], kept: dict[str, np.ndarray], reference) -> list[evaluate.Perplexity]:
+    def runs(self, window: data.Windows, runs: list[tuple], kept: dict[str, np.ndarray], reference) -> list[statistics.Perplexity]:
         return [self.scorer(window, extra=self._extra(run, kept), reference=reference) for run in runs]
 
     def _extra(self, run, kept) -> dict:

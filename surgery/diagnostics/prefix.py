@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from surgery.measure import runtime
+from surgery.engine import runtime
 
 
 def distances(seq_len: int) -> list[int]:

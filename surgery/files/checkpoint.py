@@ -7,8 +7,9 @@
         work.finish()                                   # the run wrote its output: the folder goes
 
 A unit is one file, `<unit>.npz`, written atomically (a temporary file renamed over it): its arrays stored as
-arrays and the rest as JSON, read back without pickle, so a work folder can run no code. Only the types in
-`TYPES` (the fit's sums and results, the trials' numbers) are rebuilt from it.
+arrays and the rest as JSON, read back without pickle, so a work folder can run no code. Only the classes that
+registered themselves with `@checkpointable` (the fit's sums and results, the trials' numbers: data only) are rebuilt
+from it; each registers where it is defined, so this module names no stage above it.
 
 The folder is tied to a fingerprint (the model's bytes, the windows' tokens, the options that change results,
 surgery's version): `manifest.json`. A run whose fingerprint differs is refused in one line naming what
@@ -30,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from surgery import __version__
 from surgery.errors import SurgeryError
 from surgery.files import output
+from surgery.version import __version__
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -51,12 +51,14 @@ LOCK = "lock"  # flock'ed by the run using the folder
 RATIO = 50  # a snapshot costs at most 1 / RATIO of the work since the last one: 2 %
 EVERY = 60.0  # seconds between mid-pass snapshots, at least (SURGERY_CHECKPOINT_SECONDS)
 RATE = 100e6  # bytes per second a save is assumed to write before one has been timed
-# The classes a checkpoint may rebuild (module, name): data only, their fields set from what was stored.
-TYPES = frozenset({
-    ("surgery.compensation.equations", "FitResult"), ("surgery.compensation.equations", "NormalEquations"), ("surgery.compensation.equations", "InputEquations"),
-    ("surgery.passes.fix", "Fix"), ("surgery.measure.evaluate", "Perplexity"), ("surgery.measure.evaluate", "Delta"),
-    ("surgery.measure.evaluate", "Divergence"), ("surgery.measure.quality", "Quality"), ("surgery.measure.quality", "Estimate"),
-})
+TYPES: dict[tuple[str, str], type] = {}  # the classes a checkpoint may rebuild, by (module, name): see checkpointable
+
+
+def checkpointable(cls: type) -> type:
+    """Class decorator: checkpoints may hold instances of `cls` (a dataclass of data only: its fields are stored and set
+    again on load, no code runs). The class registers itself where it is defined, so files/ imports no stage above it."""
+    TYPES[(cls.__module__, cls.__qualname__)] = cls
+    return cls
 
 
 class Checkpoints:
@@ -140,7 +142,7 @@ class Checkpoints:
         return value
 
     def save(self, unit: str, value: Any) -> None:
-        """Keep `value` (arrays, numbers, strings, lists, dicts, and the dataclasses of TYPES) as unit `unit`, atomically."""
+        """Keep `value` (arrays, numbers, strings, lists, dicts, and the checkpointable dataclasses) as unit `unit`, atomically."""
         if self.folder is None:
             return
         start = time.perf_counter()
@@ -318,9 +320,9 @@ def _decode(meta: Any, stored) -> Any:
     if "dict" in meta:
         return {_decode(k, stored): _decode(v, stored) for k, v in meta["dict"]}
     kind = tuple(meta["type"])
-    if kind not in TYPES:
-        raise TypeError(f"a checkpoint names the type {'.'.join(kind)}, which it may not hold")
-    cls = getattr(importlib.import_module(kind[0]), kind[1])
+    cls = TYPES.get(kind)
+    if cls is None:  # not checkpointable, or its module is not loaded: the run that reads it never imported it
+        raise TypeError(f"a checkpoint names the type {'.'.join(kind)}, which no loaded module registered as checkpointable")
     obj = object.__new__(cls)
     obj.__dict__.update({k: _decode(v, stored) for k, v in meta["fields"].items()})
     return obj

@@ -1,5 +1,5 @@
 """The main job of `surgery parallelize`: auto (load, fit, select, rewrite, evaluate, time, write) and its Outcome,
-and what explicit --layers runs: fit_fixes and rewrite."""
+and what explicit --layers runs: fit_fixes and parallel_form."""
 
 from __future__ import annotations
 
@@ -12,23 +12,26 @@ import onnx_ir as ir
 
 from surgery import compensation
 from surgery.compensation.fitting import FitSettings
+from surgery.engine import runtime
+from surgery.engine.cluster import Resources
+from surgery.engine.progress import Tell, counter, silent
 from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.files.checkpoint import Checkpoints, digest, model_digest
 from surgery.jobs import select
 from surgery.jobs.picture import selection_picture
 from surgery.jobs.select import Selection, SelectionSettings, select_layers
-from surgery.measure import accuracy, data, evaluate, runtime, timing
-from surgery.measure.accuracy import TaskSettings
-from surgery.measure.cluster import Resources
-from surgery.measure.data import DataSettings
-from surgery.measure.evaluate import Delta
-from surgery.measure.progress import Tell, counter, silent
+from surgery.measure import scoring, statistics, timing
+from surgery.measure.statistics import Delta
 from surgery.measure.timing import LatencySettings
 from surgery.model.blocks import BlockMap
 from surgery.model.subject import Subject
 from surgery.passes import Fix, compensate, fuse, parallelize
 from surgery.passes.fuse import refusal as fuse_refusal
+from surgery.tasks import accuracy
+from surgery.tasks.accuracy import TaskSettings
+from surgery.text import data
+from surgery.text.data import DataSettings
 
 
 def fit_fixes(subject: Subject, layers, fit: FitSettings, source: DataSettings, options: runtime.Options = runtime.Options()) -> dict[int, Fix]:
@@ -42,7 +45,7 @@ def fit_fixes(subject: Subject, layers, fit: FitSettings, source: DataSettings, 
     return {l: f.fix for l, f in fits.items()}
 
 
-def rewrite(model: "ir.Model | Subject", layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
+def parallel_form(model: "ir.Model | Subject", layers, *, fused: bool = False, fixes: dict[int, Fix] | None = None):
     """Make `layers` parallel, plain (ln2 reads resid_pre) or fused; the layers in `fixes` get their
     fix folded into the output projections (compensated, or calibrated with Fix.gate). Returns a SurgeryResult."""
     fixes = {l: f for l, f in (fixes or {}).items() if l in set(layers)}
@@ -102,7 +105,7 @@ class Outcome:
     base_loss_eval: float
     dnll_eval: Delta  # held-out evaluation windows, 95 % paired bootstrap interval
     eval_tokens: int
-    divergence_eval: evaluate.Divergence  # KL vs the original, p99, top-1 agreement, llama.cpp's statistics on the evaluation windows
+    divergence_eval: statistics.Divergence  # KL vs the original, p99, top-1 agreement, llama.cpp's statistics on the evaluation windows
     estimated_speedup: float  # the paper's max(t_attn, t_mlp) estimate, from per-branch kernel times
     prefill_ratio: float | None  # original / rewritten, one interleaved run
     decode_ratio: float | None
@@ -171,15 +174,15 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
     with _work(out, model_path, model, parts, settings) if settings.checkpoints else Checkpoints.off() as work:  # released however auto ends
         with settings.resources.pool() as pool:
             selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, settings=greedy, options=options, progress=tell, pool=pool, work=work)
-        rewritten = rewrite(subject, selection.layers, fused=settings.fused, fixes=selection.fixes).model
+        rewritten = parallel_form(subject, selection.layers, fused=settings.fused, fixes=selection.fixes).model
         base, after, seconds = _evaluation(model, rewritten, ev, options, tell, work)
         seq_len = settings.data.seq_len
         times = timing.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
         prefill, decode, timed = _latency(model, rewritten, seq_len, settings.latency, options, tell) if settings.latency.measure else (None,) * 3
         tasks = _tasks(model, rewritten, model_path, settings.tasks, options, tell, work, seconds) if settings.tasks else None
         outcome = Outcome(
-            selection=selection, form=selection.describe(settings.fused), base_loss_eval=base.loss, dnll_eval=evaluate.delta(base, after),
-            eval_tokens=ev.tokens, divergence_eval=evaluate.divergence(after, base), estimated_speedup=times.estimated_speedup(selection.layers),
+            selection=selection, form=selection.describe(settings.fused), base_loss_eval=base.loss, dnll_eval=statistics.delta(base, after),
+            eval_tokens=ev.tokens, divergence_eval=statistics.divergence(after, base), estimated_speedup=times.estimated_speedup(selection.layers),
             prefill_ratio=prefill, decode_ratio=decode, latency=timed,
             windows={name: w.describe() for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None},
             estimate_placement=str(times.placement), resumed=work.resumed(), seconds=seconds, checkpoints=work.cost, tasks=tasks,
@@ -198,13 +201,13 @@ def _write(outcome: Outcome, rewritten: ir.Model, out, model_path) -> Path:
 
 
 def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options: runtime.Options, tell: Tell, work: Checkpoints
-                ) -> tuple[evaluate.Perplexity, evaluate.Perplexity, dict[str, float]]:
+                ) -> tuple[statistics.Perplexity, statistics.Perplexity, dict[str, float]]:
     """The original's and the rewritten model's scores on the evaluation windows (a checkpoint unit), and the seconds
     they took. Sessions of models in memory hand their weights to ORT without serializing them (runtime.session)."""
     start = time.perf_counter()
     if (scored := work.load("evaluation")) is None:
         step = counter(tell, "evaluation windows", 2 * len(ev))
-        scored = evaluate.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
+        scored = scoring.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
         work.save("evaluation", scored)
     return *scored, {"evaluation": time.perf_counter() - start}
 
@@ -218,7 +221,7 @@ def _tasks(model: ir.Model, rewritten: ir.Model, model_path, tasks: TaskSettings
     scoped = work.scope("tasks")
     if (compared := scoped.load(unit)) is None:
         folder = graph.resolve(model_path).parent
-        compared = accuracy.compare([model, rewritten], ["original", "rewritten"], tasks, options, tell, folder).to_json()
+        compared = accuracy.task_accuracy([model, rewritten], ["original", "rewritten"], tasks, options, tell, folder).to_json()
         scoped.save(unit, compared)
     seconds["tasks"] = time.perf_counter() - start
     return compared

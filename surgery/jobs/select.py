@@ -34,16 +34,17 @@ from surgery.compensation import requantization
 from surgery.compensation.equations import FitResult
 from surgery.compensation.equations import fixes as fixes_of
 from surgery.compensation.fitting import FitSettings, Kind
+from surgery.engine import cluster, runtime
+from surgery.engine.progress import Tell, silent
 from surgery.errors import SurgeryError
 from surgery.files.checkpoint import Checkpoints
 from surgery.jobs.trials import Trials
-from surgery.measure import cluster, evaluate, runtime
-from surgery.measure.data import Windows
-from surgery.measure.evaluate import Delta
-from surgery.measure.progress import Tell, silent
+from surgery.measure import statistics
+from surgery.measure.statistics import Delta
 from surgery.model.blocks import BlockMap
 from surgery.model.subject import Subject
 from surgery.passes import Fix
+from surgery.text.data import Windows
 
 Score = Literal["c_comp", "c_stream", "c"]  # what ranks the candidates: the fixed block's held-out defect, the stream's, the block's
 SCORES: tuple[Score, ...] = get_args(Score)
@@ -105,10 +106,10 @@ class Budget:
         limits = [f"KL <= {self.max_kl}" if self.max_kl is not None else "", f"dNLL <= {self.max_loss_increase}" if self.max_loss_increase is not None else ""]
         return " and ".join(x for x in limits if x) or "no limit"
 
-    def holds(self, d: Delta, kl: evaluate.Divergence) -> bool:
+    def holds(self, d: Delta, kl: statistics.Divergence) -> bool:
         return (self.max_kl is None or kl.kl <= self.max_kl) and (self.max_loss_increase is None or d.dnll <= self.max_loss_increase)
 
-    def cost(self, d: Delta, kl: evaluate.Divergence) -> float:
+    def cost(self, d: Delta, kl: statistics.Divergence) -> float:
         """What "better" means between passing forms or fixes: KL when it is limited, else dNLL."""
         return kl.kl if self.max_kl is not None or self.max_loss_increase is None else d.dnll
 
@@ -189,7 +190,7 @@ class Selection:
     trials: tuple[Trial, ...]
     base_loss: float  # selection windows
     dnll: Delta  # of the chosen set, selection windows
-    divergence: evaluate.Divergence | None  # of the chosen set vs the original, selection windows (None: nothing chosen)
+    divergence: statistics.Divergence | None  # of the chosen set vs the original, selection windows (None: nothing chosen)
     refit: dict | None  # what the sequential refit did, when asked for
     fit_passes: int  # over the fit windows: one per chunk of layers whose normal equations fit in memory (+ the refit's)
     forward_passes: int  # over the selection windows: baseline + one per trial (+ 1 for a refit)
@@ -262,7 +263,7 @@ class _Chosen:
     forms: dict[int, Form]
     trials: tuple[Trial, ...]
     dnll: Delta
-    divergence: evaluate.Divergence | None  # None: nothing chosen
+    divergence: statistics.Divergence | None  # None: nothing chosen
     stopped: str | None
 
 
@@ -276,7 +277,7 @@ class _Refit:
     trials: Trials
     fits: dict[int, FitResult]
     dnll: Delta
-    divergence: evaluate.Divergence
+    divergence: statistics.Divergence
     seconds: dict[str, float]  # where the refit's time went (Fits.seconds)
 
 

@@ -11,24 +11,26 @@ from surgery.analysis import resumable
 from surgery.analysis import switchboard as board_graph
 from surgery.analysis.fit_graph import Form, kinds, switched
 from surgery.compensation import memory
+from surgery.engine import cluster, runtime
 from surgery.errors import SurgeryError
 from surgery.files import checkpoint
 from surgery.files.checkpoint import Checkpoints
-from surgery.measure import cluster, data, evaluate, runtime
-from surgery.measure.data import Windows
-from surgery.measure.evaluate import Delta
+from surgery.measure import scoring, statistics
+from surgery.measure.statistics import Delta
 from surgery.model.subject import Subject
 from surgery.passes import Fix
 from surgery.passes.common import narrower_than_float32
+from surgery.text import data
+from surgery.text.data import Windows
 
 BATCH = 4  # selection windows scored together: one job for a Ray actor
 KEEP_BYTES = 1 << 30  # the streams a resumed trial starts from (at the stops): at most this, or an eighth of the available memory
 
 
-class TrialScorer(evaluate.Scorer):
+class TrialScorer(scoring.Scorer):
     """A switchboard's scoring session (here or on a Ray actor) that runs one batch of selection windows at a time."""
 
-    def run(self, windows: Windows, extra: dict, reference=None) -> tuple[evaluate.Perplexity, dict | None, list | None]:
+    def run(self, windows: Windows, extra: dict, reference=None) -> tuple[statistics.Perplexity, dict | None, list | None]:
         """The batch's score (KL and top-1 against `reference`, when given); the streams it keeps; without a reference,
         its own log-probs (the original's Reference of the batch)."""
         checkpoint.reached("trial batch")
@@ -75,12 +77,12 @@ class Trials:
         self.streams: list[dict] = [{} for _ in self.batches]  # per batch: the accepted set's stream at each stop
         self.base, self.reference = (baseline.base, baseline.reference) if baseline else self._baseline()
 
-    def _baseline(self) -> tuple[evaluate.Perplexity, list]:
+    def _baseline(self) -> tuple[statistics.Perplexity, list]:
         parts = list(self.scorers.map("run", [(batch, self._extra({}, 0, b)) for b, batch in enumerate(self.batches)]))
         self.passes, self.blocks_run = self.passes + 1, self.blocks_run + self.n
         self.streams = [kept or {} for _, kept, _ in parts]
         reference = [self.scorers.share(r) for _, _, refs in parts for r in refs]  # [BATCH, seq, vocab] float32, sent to Ray actors once
-        return evaluate.joined([p for p, _, _ in parts]), reference
+        return statistics.joined([p for p, _, _ in parts]), reference
 
     def _extra(self, forms: dict[int, Form], start: int, batch: int) -> dict:
         extra = {board_graph.SWITCHES: switched(self.n, forms)}
@@ -90,7 +92,7 @@ class Trials:
         """Where a trial adding `layer` to the accepted set starts: the last stop at or before it, or block 0."""
         return max((c for c in self.stops if c <= layer), default=0)
 
-    def loss(self, forms: dict[int, Form], new: int | None = None) -> tuple[Delta, evaluate.Divergence, dict]:
+    def loss(self, forms: dict[int, Form], new: int | None = None) -> tuple[Delta, statistics.Divergence, dict]:
         """dNLL and KL of the blocks in `forms` against the original; `new`: the one block `forms` adds to the accepted
         set (None: run from block 0). Also what `accept` needs to make it the accepted set."""
         unit, start = f"trial-{self.passes}", 0 if new is None else self.start(new)
@@ -105,8 +107,8 @@ class Trials:
         parts = list(self.scorers.map("run", jobs, unit=f"selection trial {self.passes}"))
         self.passes += 1
         self.blocks_run += self.n - start
-        p = evaluate.joined([part for part, _, _ in parts])
-        d, kl = evaluate.delta(self.base, p), evaluate.divergence(p, self.base)
+        p = statistics.joined([part for part, _, _ in parts])
+        d, kl = statistics.delta(self.base, p), statistics.divergence(p, self.base)
         self.work.save(unit, {"forms": forms, "delta": d, "divergence": kl, "blocks_run": self.n - start})
         checkpoint.reached(f"selection {unit}")
         return d, kl, {"start": start, "kept": [kept for _, kept, _ in parts]}

@@ -1,1 +1,2 @@
-"""Measurements on ONNX Runtime: sessions, where windows run, corpora and windows, loss / KL / dNLL, latency."""
+"""Statistics of models on windows: the scoring graph and its session (scoring), loss, dNLL and KL with intervals
+(statistics), llama.cpp's KL statistics (quality), latency (timing). Numbers only: report/ formats them."""

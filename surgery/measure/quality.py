@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from surgery.errors import SurgeryError
+from surgery.files.checkpoint import checkpointable
 
 # llama.cpp's percentile rows, top to bottom: its label and the fraction of sorted values below
 KLD_ROWS = (("Maximum", 1.0), ("99.9%", 0.999), ("99.0%", 0.99), ("95.0%", 0.95), ("90.0%", 0.9), ("Median", 0.5),
@@ -26,6 +27,7 @@ KLD_ROWS = (("Maximum", 1.0), ("99.9%", 0.999), ("99.0%", 0.99), ("95.0%", 0.95)
 DP_ROWS = KLD_ROWS[:5] + (("75.0%", 0.75), ("Median", 0.5), ("25.0%", 0.25)) + KLD_ROWS[6:]
 
 
+@checkpointable
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """A mean and its uncertainty (one standard error), as llama.cpp prints `value ± uncertainty`."""
@@ -69,6 +71,7 @@ def percentiles(values: np.ndarray, rows: Sequence[tuple[str, float]]) -> dict[s
     return {label: float(np.percentile(values, 100 * fraction)) for label, fraction in rows}
 
 
+@checkpointable
 @dataclasses.dataclass(frozen=True)
 class Quality:
     """llama.cpp's `--kl-divergence` report of a model (Q) against the original (base) over n scored positions.

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from surgery.engine import runtime
+from surgery.engine.progress import Step
 from surgery.errors import SurgeryError
 from surgery.files import config, graph
-from surgery.measure import runtime
-from surgery.measure.progress import Step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A command reads its model once (`Subject.load` or `Subject.of`) and hands the subject along: its blocks are found
 there (the only caller of find_blocks outside `inspect`), its values by name and its stream type are computed when
-first asked for and kept until a rewrite changes the graph. A pass's driver (surgery.passes.driver) clones it,
+first asked for and kept until a rewrite changes the graph. The passes' driver clones it,
 tells it what changed after each block's rewrite, and hands the rewritten subject back in the SurgeryResult, so the
 next pass does not find the blocks again unless a rewrite moved them.
 """

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 
-from surgery import __version__
 from surgery.files import metadata
 from surgery.model.blocks import BlockMap
 from surgery.model.embedding import stream_dtype
 from surgery.model.layers import checked
+from surgery.version import __version__
 
 if TYPE_CHECKING:
     from surgery.model.subject import Subject

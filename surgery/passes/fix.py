@@ -7,10 +7,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from surgery.files.checkpoint import checkpointable
+
 if TYPE_CHECKING:
     from surgery.passes.projection import Projection
 
 
+@checkpointable
 @dataclasses.dataclass(frozen=True)
 class Fix:
     """A linear fix of a parallel block, folded into its weights: on the output side, into the output projections,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from surgery.files import output
-from surgery.measure.evaluate import number, with_interval
+from surgery.report.numbers import number, with_interval
 
 if TYPE_CHECKING:
     from surgery.diagnostics.diagnose import Diagnosis

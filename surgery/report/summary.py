@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from surgery.measure.accuracy import points, share
-from surgery.measure.evaluate import pm
 from surgery.model.layers import format_layers
+from surgery.report.numbers import pm, points, share
 
 
 def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]:

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from surgery.measure import runtime
-from surgery.measure.likelihood import Likelihood
-from surgery.measure.progress import Step, Tell, counter, silent
-from surgery.measure.tasks import Item, Task, arrow_file, items, parse
+from surgery.engine import runtime
+from surgery.engine.progress import Step, Tell, counter, silent
+from surgery.tasks.catalog import Item, Task, arrow_file, items, parse
+from surgery.tasks.likelihood import Likelihood
 
 RESAMPLES = 2000
 
@@ -134,7 +134,7 @@ class Comparison:
         return {"tasks": tasks, "average": dict(zip(self.names, average)), "kept": kept_rows}
 
 
-def compare(models: Sequence[str | Path | ir.Model], names: Sequence[str], settings: TaskSettings, options: runtime.Options = runtime.Options(),
+def task_accuracy(models: Sequence[str | Path | ir.Model], names: Sequence[str], settings: TaskSettings, options: runtime.Options = runtime.Options(),
             progress: Tell | None = None, folder: str | Path | None = None) -> Comparison:
     """Every model on every task of `settings`, one model's session at a time; progress(stage, done, total) one stage per
     model and task. folder: the tokenizer's and config's (Likelihood), needed for models in memory."""
@@ -148,33 +148,3 @@ def compare(models: Sequence[str | Path | ir.Model], names: Sequence[str], setti
                             for task, docs in zip(chosen, documents)))
         del likelihood
     return Comparison(tuple(names), tuple(scores))
-
-
-def table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
-    """What `surgery evaluate --tasks` prints: a header and one row per task and metric, then the average of the headline
-    metrics and the accuracy kept; every model after the first with its difference from the first and its interval."""
-    names = comparison.names
-    header = ["task", "metric", "docs", *names]
-    rows = []
-    for t, task in enumerate(comparison.tasks):
-        for metric in task.metrics:
-            base = comparison.scores[0][t]
-            cells = [f"{100 * base.accuracy(metric):.1f}"]
-            for scores in comparison.scores[1:]:
-                d, lo, hi = paired(base.correct(metric), scores[t].correct(metric))
-                cells.append(f"{100 * scores[t].accuracy(metric):.1f} ({points(d, lo, hi)})")
-            rows.append([task.name, metric + (" *" if metric == task.headline else ""), str(len(base.gold)), *cells])
-    average = [100 * float(np.mean([s.accuracy(s.task.headline) for s in scores])) for scores in comparison.scores]
-    rows.append(["average *", "", "", *(f"{a:.1f}" for a in average)])
-    rows.append(["kept", "", "", "", *(share(*comparison.kept(m)) for m in range(1, len(names)))])
-    return header, rows
-
-
-def points(difference: float, low: float, high: float) -> str:
-    """An accuracy difference and its interval, in points: "+1.1 [-0.6, +2.8]"."""
-    return f"{100 * difference:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
-
-
-def share(kept: float, low: float, high: float) -> str:
-    """Accuracy kept and its interval: "100.6 % [98.9, 102.2]"."""
-    return f"{100 * kept:.1f} % [{100 * low:.1f}, {100 * high:.1f}]"

@@ -79,7 +79,7 @@ def samples(model, rows: int, seq_len: int, prefix: list[int], seed: int, option
     after each step of all the rows."""
     import numpy as np
 
-    from surgery.measure import runtime
+    from surgery.engine import runtime
 
     ids = np.tile(np.asarray(prefix or [0], np.int64), (rows, 1))
     if rows == 0:

@@ -40,8 +40,8 @@ from typing import Any
 import onnx_ir as ir
 from threadpoolctl import threadpool_limits
 
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
-from surgery.measure import runtime
 
 RETRIES = 3  # times Ray restarts a dead actor and runs its job again
 

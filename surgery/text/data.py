@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from surgery.engine.progress import Count, Tell, silent
 from surgery.errors import SurgeryError
 from surgery.files import graph
-from surgery.measure import corpus
-from surgery.measure.progress import Count, Tell, silent
+from surgery.text import corpus
 
 if typing.TYPE_CHECKING:  # imported where a tokenizer is read: the graph passes run without tokenizers (the GPU machine has none)
     from tokenizers import Tokenizer
@@ -293,15 +293,7 @@ def windows(
     if len(stream) == 0:
         raise SurgeryError(f"{name} has no text; pass a corpus with some")
     prefix = bos_prefix(tok)
-    body = seq_len - len(prefix)
-    size = SEGMENT_WINDOWS * max(body, 1)
-    parts: dict[str, list[Windows]] = {"calibration": [], "evaluation": []}
-    for j, lo in enumerate(range(0, len(stream), size)):
-        segment = stream[lo : lo + size]
-        if len(segment) < body:
-            continue
-        owner = "calibration" if int((j + 1) * calibration) > int(j * calibration) else "evaluation"
-        parts[owner].append(make_windows(segment, seq_len, stride, prefix, name, offset=lo))
+    parts = _segments(stream, seq_len, stride, prefix, name, calibration)
     chosen = parts["calibration"] + parts["evaluation"] if part == "all" else parts[part]
     if not chosen:
         make_windows(stream, seq_len, stride, prefix, name)  # raises the "fewer than one window" error
@@ -323,6 +315,21 @@ def windows(
     if sampled:
         result = _with_samples(model, result, count - text_count, part, calibration, prefix, progress)
     return result
+
+
+def _segments(stream: np.ndarray, seq_len: int, stride: int | None, prefix: list[int], name: str, calibration: float) -> dict[str, list[Windows]]:
+    """The stream cut into segments of SEGMENT_WINDOWS windows' worth of tokens, each segment's windows dealt to the
+    calibration part (a share `calibration` of the segments, spread evenly) or the evaluation part."""
+    body = seq_len - len(prefix)
+    size = SEGMENT_WINDOWS * max(body, 1)
+    parts: dict[str, list[Windows]] = {"calibration": [], "evaluation": []}
+    for j, lo in enumerate(range(0, len(stream), size)):
+        segment = stream[lo : lo + size]
+        if len(segment) < body:
+            continue
+        owner = "calibration" if int((j + 1) * calibration) > int(j * calibration) else "evaluation"
+        parts[owner].append(make_windows(segment, seq_len, stride, prefix, name, offset=lo))
+    return parts
 
 
 _SAMPLED: dict[tuple, np.ndarray] = {}  # corpus.samples, remembered (a command asks for the same part more than once)

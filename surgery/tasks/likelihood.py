@@ -23,10 +23,11 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import config, graph, ops
-from surgery.measure import data, runtime
-from surgery.measure.evaluate import NLL, TARGETS, TOP1, scoring_model
+from surgery.measure.scoring import NLL, TARGETS, TOP1, scoring_model
+from surgery.text import data
 
 KEPT = 2  # context tokens that run with the continuations: never a one-token run after a cache, whose kernels can differ
 ROWS = 16  # rows per run when pairs are scored whole (no shared context)

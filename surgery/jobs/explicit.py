@@ -7,14 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from surgery.compensation.fitting import FitSettings
+from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.jobs import job
-from surgery.measure import runtime
-from surgery.measure.data import DataSettings
 from surgery.model.layers import parse_layers
 from surgery.model.subject import Subject
 from surgery.passes import SurgeryResult
+from surgery.text.data import DataSettings
 
 
 def fit_kind(compensate: bool | None, calibrate: bool, auto: bool) -> str | None:
@@ -26,7 +26,7 @@ def fit_kind(compensate: bool | None, calibrate: bool, auto: bool) -> str | None
     return "full" if (compensate if compensate is not None else auto) else None
 
 
-def rewrite_file(model_path: Path, out_path: Path, layers: str, apply: Callable[[Subject, set[int]], SurgeryResult]) -> tuple[SurgeryResult, Path]:
+def edit_file(model_path: Path, out_path: Path, layers: str, apply: Callable[[Subject, set[int]], SurgeryResult]) -> tuple[SurgeryResult, Path]:
     """apply(model, chosen layers) on the model at `model_path` (read once, as a Subject), written to `out_path`; the
     result and the written file."""
     subject = Subject(graph.load(model_path), str(model_path))
@@ -41,6 +41,6 @@ def parallelize_file(model_path: Path, out_path: Path, layers: str, fit: FitSett
     """The named blocks in parallel form: plain, or with fixes fitted as `fit` says on `data`'s calibration windows and folded in; fused or not."""
     def apply(subject, chosen):
         fixes = job.fit_fixes(subject, chosen, fit, data, options) if fit is not None else None
-        return job.rewrite(subject, chosen, fused=fused, fixes=fixes)
+        return job.parallel_form(subject, chosen, fused=fused, fixes=fixes)
 
-    return rewrite_file(model_path, out_path, layers, apply)
+    return edit_file(model_path, out_path, layers, apply)
