@@ -33,6 +33,29 @@ def smollm2() -> Path:
     return SMOLLM2
 
 
+def smollm2_genai(precision: str = "fp32") -> Path:
+    """SmolLM2-135M built by the ONNX Runtime GenAI model builder (`-p PRECISION -e cpu`) from the same GGUF weights, made
+    on first use under out/ (the HF folder transformers saves, with the export's tokenizer files beside it)."""
+    folder = ROOT / "out" / f"smollm2-genai-{precision}"
+    if (folder / "model.onnx").is_file():
+        return folder
+    hf = ROOT / "out" / "smollm2-hf"
+    if not (hf / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from surgery.files.export import resolve_source
+
+        src = resolve_source("smollm2-135m")
+        AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32).save_pretrained(hf)
+        for item in smollm2().iterdir():
+            if item.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy2(item, hf / item.name)
+    from graphs.deployed import genai_build
+
+    return genai_build(hf, folder, precision)
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     """A markdown table of `rows` (already formatted strings; a cell a row lacks is left blank)."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]

@@ -380,6 +380,8 @@ def evaluate(
     tasks: TaskNames = None,
     limit: Annotated[Optional[int], typer.Option(help="With --tasks: the first N documents of each task (all when unset).", rich_help_panel=MEASURE),
                      AtLeast(1)] = None,
+    like: Annotated[str, typer.Option(help="With --tasks: tokenize as lm-eval's `hf` backend (BOS first) or as its `onnxruntime` and "
+                                      "`onnxruntime-genai` backends (`onnxruntime`: no BOS).", rich_help_panel=MEASURE)] = "hf",
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side;
@@ -388,10 +390,11 @@ def evaluate(
     from surgery.jobs import evaluate
     from surgery.measure.timing import LatencySettings
     from surgery.report import evaluation
+    from surgery.tasks.accuracy import TaskSettings
     from surgery.text.data import DataSettings
 
     if tasks is not None:
-        return _task_accuracy(models, tasks, limit, runtime.Options(threads=threads, device=device), as_json)
+        return _task_accuracy(models, TaskSettings(tasks, limit, like), runtime.Options(threads=threads, device=device), as_json)
     source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer, stride=stride)
     timed = LatencySettings(measure=latency, repeats=repeats, batch=latency_batch, warmup=warmup)
     with _progress() as tell:
@@ -414,13 +417,12 @@ def evaluate(
                   "Same top p, 99.9% KLD, RMS Δp: llama.cpp's `perplexity --kl-divergence` (--json: all of its statistics)", highlight=False)
 
 
-def _task_accuracy(models: list[Path], tasks: str, limit: int | None, options, as_json: bool) -> None:
+def _task_accuracy(models: list[Path], settings, options, as_json: bool) -> None:
     from surgery.jobs import evaluate
     from surgery.report import evaluation
-    from surgery.tasks.accuracy import TaskSettings
 
     with _progress() as tell:
-        comparison = evaluate.tasks_side_by_side(models, _short_names(models), TaskSettings(tasks, limit), options, progress=tell)
+        comparison = evaluate.tasks_side_by_side(models, _short_names(models), settings, options, progress=tell)
     if as_json:
         print(json.dumps(comparison.to_json(), indent=2))
         return

@@ -136,6 +136,78 @@ def test_every_deployed_format_scores_tasks(reference, tiny_export, tmp_path, fo
                 np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=FORMATS[form], err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def onnx_backends(reference, tmp_path_factory):
+    """lm-eval 0.4.13's own ONNX backends on the tiny model's GenAI fp32 build, every task's first LIMIT documents with
+    their samples: `onnxruntime` on a copy whose KV head size is declared as a number (it binds the builder's
+    `kv_cache_dim` to 1), `onnxruntime-genai` on the build itself."""
+    pytest.importorskip("onnxruntime_genai")
+    from lm_eval import simple_evaluate
+
+    from graphs.deployed import genai_build, numeric_kv
+
+    tiny, manager, _, _ = reference
+    root = tmp_path_factory.mktemp("onnx-backends")
+    folder = genai_build(tiny.hf, root / "genai")
+    runs = {}
+    for backend, path in (("onnxruntime", numeric_kv(folder, root / "numeric")), ("onnxruntime-genai", folder)):
+        runs[backend] = simple_evaluate(model=backend, model_args=f"pretrained={path},execution_provider=cpu", tasks=list(catalog.TASKS),
+                                        limit=LIMIT, task_manager=manager, log_samples=True)
+    return folder, runs
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "onnxruntime-genai"])
+def test_like_onnxruntime_scores_what_lm_evals_onnx_backends_score(onnx_backends, backend):
+    """--like onnxruntime: no BOS (lm-eval's ONNX backends encode without special tokens), a pair past the position limit
+    cut to max_length tokens (boolq's passages pass the tiny model's 256): every choice's log-likelihood and every metric
+    equal the backend's; the default (hf) tokenization gives other scores on the same graph."""
+    folder, runs = onnx_backends
+    likelihood, hf = Likelihood(folder, like="onnxruntime"), Likelihood(folder)
+    moved = 0.0
+    for name, task in catalog.TASKS.items():
+        items = catalog.items(task, LIMIT)
+        samples = sorted(runs[backend]["samples"][name], key=lambda s: int(s["doc_id"]))
+        for item, sample in zip(items, samples):
+            ours = [ll for ll, _ in likelihood(item.pairs)]
+            np.testing.assert_allclose(ours, [float(r[0]) for r in sample["filtered_resps"]], rtol=1e-5, atol=1e-4, err_msg=name)
+            moved = max(moved, float(np.abs(np.subtract(ours, [ll for ll, _ in hf(item.pairs)])).max()))
+        scored = accuracy.score(likelihood, task, items)
+        for metric in task.metrics:
+            assert scored.accuracy(metric) == pytest.approx(runs[backend]["results"][name][f"{metric},none"]), (name, metric)
+    assert moved > 1e-2  # the BOS is a token of context: the two tokenizations score differently
+
+
+def test_surgery_evaluate_like_onnxruntime_prints_lm_evals_onnxruntime_accuracy(onnx_backends):
+    folder, runs = onnx_backends
+    names = ["arc_easy", "piqa", "boolq"]
+    printed = runner.invoke(app, ["evaluate", str(folder), "--tasks", ",".join(names), "--limit", str(LIMIT), "--like", "onnxruntime", "--json"])
+    assert printed.exit_code == 0, printed.output
+    reported = json.loads(printed.stdout)
+    assert reported["like"] == "onnxruntime"
+    for name in names:
+        for metric in catalog.TASKS[name].metrics:
+            assert reported["tasks"][name]["models"][0][metric] == pytest.approx(runs["onnxruntime"]["results"][name][f"{metric},none"])
+    refused = runner.invoke(app, ["evaluate", str(folder), "--tasks", "piqa", "--like", "vllm"])
+    assert refused.exit_code == 1 and said(refused.stderr) == ["error: cannot score like lm-eval's 'vllm' backend; use one of hf, onnxruntime"]
+
+
+def test_lm_evals_onnxruntime_backend_cannot_feed_the_builders_kv_cache_dim(onnx_backends, tmp_path):
+    """What docs/evaluation.md says: lm-eval's `onnxruntime` binds the dimension name `kv_cache_dim` to 1, so the GenAI
+    builder's graph fails in GroupQueryAttention, and so does a rewrite of it, which declares its input's interface."""
+    from lm_eval.models.onnxruntime_ort import ONNXRuntimeLM
+
+    from surgery.files import graph
+    from surgery.model.subject import Subject
+    from surgery.passes import parallelize
+
+    folder, _ = onnx_backends
+    rewritten = graph.write(parallelize(Subject.load(folder), [0]).model, tmp_path / "parallel", like=folder).parent
+    for path in (folder, rewritten):
+        lm = ONNXRuntimeLM(pretrained=str(path), execution_provider="cpu")
+        with pytest.raises(Exception, match="past_key' dimension 3 should match the packed KV head dimension, got 1"):
+            lm._forward_logits([1, 2, 3])
+
+
 def test_the_paired_interval_and_kept():
     first = np.array([1, 0] * 50, bool)
     assert accuracy.paired(first, first) == (0.0, 0.0, 0.0)

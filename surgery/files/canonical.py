@@ -1,7 +1,8 @@
 """The plain view of a graph that find_blocks and every pass work on, and back: passes composed on load
 and on save.
 
-On load (graph.load): KV cache inputs get the sizes the config states where the graph leaves them symbolic;
+On load (graph.load): KV cache inputs get the sizes the config states where the graph leaves them symbolic (on save
+they are declared as the file declared them: `kv_cache_dim` stays a name);
 each Skip(Simplified)LayerNormalization becomes its Add and its normalisation, so the residual stream is
 Adds, as in an optimum export; a residual sum recomputed for a second normalisation is the sum itself.
 On save (graph.save): each normalisation split on load is joined again to the Add it reads, so a rewritten
@@ -29,6 +30,7 @@ def on_load(model: ir.Model, folder: Path) -> ir.Model:
 
 def on_save(model: ir.Model) -> ir.Model:
     """The deployable form of a plain view, in place."""
+    declare_as_read(model)
     join_skip_norms(model)
     split_shared_sums(model)
     return model
@@ -36,18 +38,31 @@ def on_save(model: ir.Model) -> ir.Model:
 
 def state_kv_sizes(model: ir.Model, folder: Path) -> None:
     """Give KV cache inputs [batch, heads, past, head_size] whose heads or head size the graph leaves symbolic
-    the sizes the model config beside it states, so that an empty cache can be fed (a rewrite of it then
-    states them too). Without a config they stay symbolic and feeding an empty cache says what to do."""
+    the sizes the model config beside it states, so that an empty cache can be fed; the dims the file declared are kept
+    in the model's metadata (metadata.DECLARED) for `declare_as_read`. Without a config they stay symbolic and feeding
+    an empty cache says what to do."""
     kv = [v for v in model.graph.inputs if v.name.startswith("past_key_values") and v.shape is not None and v.shape.rank() == 4]
     if not any(not isinstance(v.shape[i], int) for v in kv for i in (1, 3)):
         return
     sizes = config.kv_sizes(folder)
     if sizes is None:
         return
+    declared = {}
     for value in kv:
         dims = list(value.shape)
+        declared[value.name] = [d if isinstance(d, int) else d.value for d in dims]
         dims[1], dims[3] = sizes
         value.shape = ir.Shape(dims)
+    model.metadata_props[metadata.DECLARED] = json.dumps(declared)
+
+
+def declare_as_read(model: ir.Model) -> None:
+    """Declare the inputs `state_kv_sizes` gave sizes as the file did (a name stays a name), in place: a rewritten
+    graph keeps its input's interface exactly. The sizes are the same; only what the file says of them changes."""
+    declared = json.loads(model.metadata_props.pop(metadata.DECLARED, "{}"))
+    for value in model.graph.inputs:
+        if value.name in declared and value.shape is not None and value.shape.rank() == len(declared[value.name]):
+            value.shape = ir.Shape(declared[value.name])
 
 
 def unfused_from(node: ir.Node) -> str | None:

@@ -15,6 +15,7 @@ FIX = "surgery.fix"  # node: the output projection carries a folded fix (compens
 EDIT = "surgery.edit"  # node: it now produces a branch output, edited: what it computes ("mlp tangential")
 UNFUSED = "surgery.unfused"  # node: JSON {"op", "name", "role"[, "epsilon"]} of the fused op it was split from on load
 HISTORY = "surgery.history"  # model: JSON list of {"pass", "layers", "options", "version"}, oldest first
+DECLARED = "surgery.declared"  # model, in memory only: JSON {input: dims} as the file declared them before load stated sizes
 
 # Pass names read off nodes elsewhere: find_blocks tells a fused block by FUSE, saving splits the sums PARALLELIZE moved.
 FUSE, PARALLELIZE = "fuse", "parallelize"

@@ -68,5 +68,6 @@ def task_legend(comparison: Comparison) -> str:
     """The line under the task table: what its marks mean, and each model's documents per second."""
     rates = ", ".join(f"{name} {sum(len(s.gold) for s in scores) / sum(s.seconds for s in scores):.1f}"
                       for name, scores in zip(comparison.names, comparison.scores))
+    encoded = "" if comparison.like == "hf" else f"; tokenized as lm-eval's {comparison.like} backend (no BOS)"
     return ("* the metric the average takes; (difference from the first [paired 95 % interval], points); kept = average / the "
-            f"first's average [95 % interval]. Documents per second: {rates}")
+            f"first's average [95 % interval]. Documents per second: {rates}{encoded}")

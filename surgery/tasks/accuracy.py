@@ -19,8 +19,9 @@ import onnx_ir as ir
 
 from surgery.engine import runtime
 from surgery.engine.progress import Step, Tell, counter, silent
+from surgery.errors import SurgeryError
 from surgery.tasks.catalog import Item, Task, arrow_file, items, parse
-from surgery.tasks.likelihood import Likelihood
+from surgery.tasks.likelihood import LIKE, Likelihood
 
 RESAMPLES = 2000
 
@@ -28,16 +29,21 @@ RESAMPLES = 2000
 @dataclasses.dataclass(frozen=True)
 class TaskSettings:
     """Which downstream tasks `surgery evaluate --tasks` and the main job's `--tasks` score: comma-separated names of
-    tasks.TASKS (`default`: tasks.DEFAULT, `all`); limit: the first N documents of each (None: all)."""
+    catalog.TASKS (`default`: catalog.DEFAULT, `all`); limit: the first N documents of each (None: all); like: score as
+    lm-eval's `hf` backend does (BOS first: the default) or as its `onnxruntime` and `onnxruntime-genai` backends do (no
+    BOS), `--like` (likelihood.Likelihood)."""
 
     tasks: str = "default"
     limit: int | None = None
+    like: str = "hf"
 
     def chosen(self) -> tuple[Task, ...]:
         return parse(self.tasks)
 
     def check(self) -> None:
-        """Refuse unknown task names and missing task data (SurgeryError), before any model loads."""
+        """Refuse unknown task names, an unknown `like` and missing task data (SurgeryError), before any model loads."""
+        if self.like not in LIKE:
+            raise SurgeryError(f"cannot score like lm-eval's {self.like!r} backend; use one of {', '.join(LIKE)}")
         for task in self.chosen():
             arrow_file(task)
 
@@ -102,10 +108,12 @@ def kept(first: Sequence[np.ndarray], other: Sequence[np.ndarray], resamples: in
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """Every model's Scores on every task (scores[model][task index]), with the models' names."""
+    """Every model's Scores on every task (scores[model][task index]), with the models' names; like: the lm-eval backend
+    whose tokenization they followed (TaskSettings.like)."""
 
     names: tuple[str, ...]
     scores: tuple[tuple[Scores, ...], ...]
+    like: str = "hf"
 
     @property
     def tasks(self) -> tuple[Task, ...]:
@@ -131,11 +139,11 @@ class Comparison:
             tasks[task.name] = {"documents": len(base.gold), "headline": task.headline, "models": models}
         average = [float(np.mean([s.accuracy(s.task.headline) for s in scores])) for scores in self.scores]
         kept_rows = [dict(zip(("name", "kept", "low", "high"), (name, *self.kept(m)))) for m, name in enumerate(self.names) if m]
-        return {"tasks": tasks, "average": dict(zip(self.names, average)), "kept": kept_rows}
+        return {"tasks": tasks, "average": dict(zip(self.names, average)), "kept": kept_rows, "like": self.like}
 
 
 def task_accuracy(models: Sequence[str | Path | ir.Model], names: Sequence[str], settings: TaskSettings, options: runtime.Options = runtime.Options(),
-            progress: Tell | None = None, folder: str | Path | None = None) -> Comparison:
+                  progress: Tell | None = None, folder: str | Path | None = None) -> Comparison:
     """Every model on every task of `settings`, one model's session at a time; progress(stage, done, total) one stage per
     model and task. folder: the tokenizer's and config's (Likelihood), needed for models in memory."""
     tell = progress or silent
@@ -143,8 +151,8 @@ def task_accuracy(models: Sequence[str | Path | ir.Model], names: Sequence[str],
     documents = [items(task, settings.limit) for task in chosen]  # read (and checked) before any model loads
     scores = []
     for model, name in zip(models, names):
-        likelihood = Likelihood(model, options, folder)
+        likelihood = Likelihood(model, options, folder, settings.like)
         scores.append(tuple(score(likelihood, task, docs, counter(tell, f"{task.name} {name}", len(docs)))
                             for task, docs in zip(chosen, documents)))
         del likelihood
-    return Comparison(tuple(names), tuple(scores))
+    return Comparison(tuple(names), tuple(scores), settings.like)

@@ -10,7 +10,11 @@ a cache is one token long, which int4 MatMulNBits computes with other kernels, 0
 right, which a causal graph never reads (with ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention, each
 continuation runs alone after the shared cache). Graphs without a KV cache, or that take no chunk of tokens after one
 (tried once), score each pair's whole row instead. Only the
-continuation tokens' log-probabilities leave the session (the scoring graph of evaluate.py).
+continuation tokens' log-probabilities leave the session (the scoring graph of measure/scoring.py).
+
+like="onnxruntime" scores as lm-eval's `onnxruntime` and `onnxruntime-genai` backends do instead (docs/evaluation.md):
+no special tokens, and a pair past the position limit keeps its last max_length tokens (hf: max_length + 1, the last
+of which is only a target).
 """
 
 from __future__ import annotations
@@ -32,15 +36,20 @@ from surgery.text import data
 KEPT = 2  # context tokens that run with the continuations: never a one-token run after a cache, whose kernels can differ
 ROWS = 16  # rows per run when pairs are scored whole (no shared context)
 DEFAULT_LENGTH = 2048  # lm-eval's when the model states no position limit
+LIKE = ("hf", "onnxruntime")  # the lm-eval backends whose tokenization and cut a Likelihood can follow
 
 
 class Likelihood:
     """One session that scores (context, continuation) pairs under `model` (an .onnx file or its folder, or a model in
-    memory), with the tokenizer and config of `folder` (the model's own folder when None)."""
+    memory), with the tokenizer and config of `folder` (the model's own folder when None). like: tokenize and cut as
+    lm-eval's `hf` backend (the tokenizer's special tokens) or its `onnxruntime` / `onnxruntime-genai` backends (none)."""
 
-    def __init__(self, model: str | Path | ir.Model, options: runtime.Options = runtime.Options(), folder: str | Path | None = None):
+    def __init__(self, model: str | Path | ir.Model, options: runtime.Options = runtime.Options(), folder: str | Path | None = None,
+                 like: str = "hf"):
         if folder is None and isinstance(model, ir.Model):
             raise SurgeryError("a model in memory is scored with the folder of its tokenizer and config")
+        if like not in LIKE:
+            raise SurgeryError(f"cannot score like lm-eval's {like!r} backend; use one of {', '.join(LIKE)}")
         path = graph.resolve(folder if folder is not None else model)
         loaded = model if isinstance(model, ir.Model) else graph.load(path)
         self.presents = [v.name for v in loaded.graph.outputs if v.name.startswith("present")]
@@ -54,6 +63,8 @@ class Likelihood:
         self.prefix_token = 0 if prefix is None else prefix  # lm-eval's token before an empty context
         self.prefix_text = self.tokenizer.decode([self.prefix_token], skip_special_tokens=False) or "\0"
         self.eos_token = _special(path.parent, self.tokenizer, ("eos_token",))
+        self.bos = like == "hf"
+        self.window = self.max_length + 1 if self.bos else self.max_length  # tokens a pair keeps past the limit (module docstring)
 
     def _chunks_after_cache(self) -> bool:
         """Whether the graph takes several tokens after a KV cache, as the shared-context runs feed it (the GenAI builder's
@@ -77,8 +88,8 @@ class Likelihood:
 
     def encode(self, text: str) -> list[int]:
         """lm-eval's tok_encode: the tokenizer's own special tokens (BOS where its post-processor prepends one), none when
-        the text starts with the prefix token's text already."""
-        return self.tokenizer.encode(text, add_special_tokens=not text.startswith(self.prefix_text)).ids
+        the text starts with the prefix token's text already (`hf`) or when bos is False (`onnxruntime`, `onnxruntime-genai`)."""
+        return self.tokenizer.encode(text, add_special_tokens=self.bos and not text.startswith(self.prefix_text)).ids
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """lm-eval's split of a pair into context and continuation tokens."""
@@ -103,14 +114,14 @@ class Likelihood:
         whole = []
         for context, members in groups.items():
             longest = max(len(pairs[i][1]) for i in members)
-            if self.cached and len(members) > 1 and len(context) + longest <= self.max_length + 1:
+            if self.cached and len(members) > 1 and len(context) + longest <= self.window:
                 self._shared(list(context), members, pairs, results)
             else:
                 whole += members
         whole.sort(key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         for lo in range(0, len(whole), ROWS):
             chunk = whole[lo : lo + ROWS]
-            rows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in chunk]
+            rows = [(pairs[i][0] + pairs[i][1])[-self.window :] for i in chunk]
             self._score(chunk, [r[:-1] for r in rows], [r[1:] for r in rows], [len(pairs[i][1]) for i in chunk], None, results)
         return results  # type: ignore[return-value]
 
