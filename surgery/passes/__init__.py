@@ -11,7 +11,7 @@ import pkgutil
 from surgery.passes.ablate import BRANCHES, MODES, Ablation, ablate
 from surgery.passes.common import PASSES, Change, Pass, SurgeryResult, register
 from surgery.passes.compensate import Compensation, compensate
-from surgery.passes.driver import rewrite
+from surgery.passes.driver import apply_pass
 from surgery.passes.fix import Fix
 from surgery.passes.fuse import Fusion, fuse
 from surgery.passes.parallel import parallelize
@@ -20,4 +20,4 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["BRANCHES", "MODES", "PASSES", "Ablation", "Change", "Compensation", "Fix", "Fusion", "Pass", "SurgeryResult", "ablate",
-           "compensate", "fuse", "parallelize", "register", "rewrite"]
+           "apply_pass", "compensate", "fuse", "parallelize", "register"]

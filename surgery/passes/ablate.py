@@ -21,7 +21,7 @@ from surgery.files import metadata
 from surgery.model.blocks import BlockMap, Branch
 from surgery.model.nodes import Emitter
 from surgery.passes.common import Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
-from surgery.passes.driver import rewrite
+from surgery.passes.driver import apply_pass
 
 NAME = "ablate"
 Mode = Literal["tangential", "radial", "remove", "scale"]
@@ -119,7 +119,7 @@ def ablate(model, branch: Branch, mode: Mode, layers: Collection[int], scale: fl
         SurgeryError: an unknown branch or mode, a missing, non-finite or misplaced `scale`, a layer out of range or a
             fused block (before any work), or `keep_sink` on a graph with neither a position_ids nor an input_ids input.
     """
-    return rewrite(model, ABLATE, layers, Ablation(branch, mode, scale, keep_sink))
+    return apply_pass(model, ABLATE, layers, Ablation(branch, mode, scale, keep_sink))
 
 
 def _check(branch: str, mode: str, scale: float | None) -> None:

@@ -8,7 +8,7 @@ A pass is a per-block rewrite with typed arguments. It declares, once, in its mo
         def apply(self, subject, block, args) -> Change: ...            # the written rewrite of one block
         def switch(self, board, block, on, args) -> None: ...           # the same edit behind a run-time switch
 
-and registers one instance (`PARALLELIZE = register(Parallelize())`). The driver (surgery.passes.driver.rewrite)
+and registers one instance (`PARALLELIZE = register(Parallelize())`). The driver (surgery.passes.driver.apply_pass)
 does the rest for every pass alike: it clones the model, checks the layers and every refusal before any work,
 applies the passes named in `before` to each block first, loops over the blocks, tags each new node with the pass
 and its block, finds the blocks again where a rewrite moved them, and records the model's history.

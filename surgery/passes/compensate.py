@@ -33,7 +33,7 @@ from surgery.model.nodes import Emitter, values_by_name
 from surgery.model.subject import Subject
 from surgery.passes import projection
 from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
-from surgery.passes.driver import rewrite
+from surgery.passes.driver import apply_pass
 from surgery.passes.fix import Fix
 
 NAME = "compensate"
@@ -126,7 +126,7 @@ def compensate(model: "ir.Model | Subject", fixes: Mapping[int, Fix]) -> Surgery
     """
     subject = Subject.of(model)
     fixes = {checked(layer, subject.n_layers): fix for layer, fix in fixes.items()}
-    return rewrite(subject, COMPENSATE, fixes, Compensation(fixes))
+    return apply_pass(subject, COMPENSATE, fixes, Compensation(fixes))
 
 
 def _input_side(model: ir.Model, block: BlockMap, values: dict[str, ir.Value]) -> list[projection.Projection]:

@@ -29,7 +29,7 @@ from surgery.model.blocks import BlockMap, block_norms, branch_nodes
 from surgery.model.nodes import Emitter, values_by_name
 from surgery.passes import projection
 from surgery.passes.common import Change, Pass, SurgeryResult, narrower_than_float32, node_name, register
-from surgery.passes.driver import rewrite
+from surgery.passes.driver import apply_pass
 from surgery.passes.fix import Fix
 
 NAME = metadata.FUSE  # find_blocks tells a fused block by it
@@ -101,7 +101,7 @@ def fuse(model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None)
             are normalised, MatMulNBits weights it cannot join without requantizing); while rewriting, a fix with an
             mlp input side on a MatMulNBits block.
     """
-    return rewrite(model, FUSE, layers, Fusion(dict(fixes or {})))
+    return apply_pass(model, FUSE, layers, Fusion(dict(fixes or {})))
 
 
 def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> str | None:
