@@ -24,7 +24,7 @@ from surgery.files import metadata
 from surgery.model.blocks import BlockMap, branch_nodes
 from surgery.model.nodes import Emitter, values_by_name
 from surgery.model.subject import Subject
-from surgery.passes import Compensation, Fix, projection
+from surgery.passes import Compensation, Fix, fold, projection
 from surgery.passes.compensate import NAME as COMPENSATE
 from surgery.passes.compensate import input_fixed, mlp_inputs, redirect_readers, switch_weights
 
@@ -123,8 +123,7 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Va
         fix = input_sides.get(block.layer)
         twins = projection.reading(twin_u, block.layer) if fix is not None else []
         if any(p.quant is not None for p in twins):  # MatMulNBits: their requantized codes, as compensate writes them
-            sides = [(p, fix.fold_input(p), fix.input_codes(i), f"mlp_in.{i}") for i, p in enumerate(twins)]
-            switch_weights(board, sides, e.op("Not", [on], "twin_parallel"), f"{prefix}/twin")
+            switch_weights(board, fold.folded(fix, inputs=twins), e.op("Not", [on], "twin_parallel"), f"{prefix}/twin")
         elif fix is not None:
             side = board.emitter(f"{prefix}/twin/mlp_in")
             fixed = input_fixed(board, side, twin_u, fix)

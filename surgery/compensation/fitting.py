@@ -58,7 +58,7 @@ from surgery.measure.progress import Count
 from surgery.model.blocks import BlockMap
 from surgery.model.embedding import embedding_table
 from surgery.model.subject import Subject
-from surgery.passes import Fix, projection
+from surgery.passes import Fix, fold
 from surgery.passes.compensate import refusal
 
 REQUANTIZE = ("gptq", "nearest")  # how a fix folded into MatMulNBits weights chooses their codes (surgery.model.nbits)
@@ -223,7 +223,7 @@ def _plan(subject: Subject, windows: Windows, layers: Collection[int] | None, fi
     table = embedding_table(model)
     if table is None:
         raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
-    no_fold = {b.layer: _no_fold(model, b) for b in blocks if not b.is_parallel}
+    no_fold = {b.layer: fold.unfoldable(model, b) for b in blocks if not b.is_parallel}
     for block in (b for b in blocks if layers is not None and b.layer in layers):
         if block.is_parallel or no_fold[block.layer]:
             raise SurgeryError(refusal(model, block) or (
@@ -448,7 +448,7 @@ def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], se
                 fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in, packed_in=side.packed_in)
                 result = dataclasses.replace(result, fix=fix, input_residual=residual)
             if sums[layer].grams:
-                result = dataclasses.replace(result, fix=requantization.output_codes(plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
+                result = dataclasses.replace(result, fix=requantization.output_codes(plan.model, plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
         results[layer] = result
     return results
 
@@ -488,13 +488,4 @@ def fit_passes(model: "ir.Model | Subject", layers: Collection[int] | None = Non
 def _input_sided(subject: Subject, layers: Collection[int], skip: Collection[int] = ()) -> set[int]:
     """The layers whose fix gets an input side: its mlp's input projections are found (float or MatMulNBits), the fix
     folds, and the layer is not in `skip` (compensated already: it keeps its fix's)."""
-    model, values, blocks = subject.model, subject.values, subject.blocks
-    return {l for l in layers if l not in skip and _no_fold(model, blocks[l]) is None
-            and not isinstance(projection.mlp_inputs(model, values, blocks[l]), str)}
-
-
-def _no_fold(model: ir.Model, block: BlockMap) -> str | None:
-    """Why a fix of this sequential block could not be folded into its weights, or None."""
-    if block.post_norm:
-        return "branch outputs are normalised: no fold"
-    return None if projection.unreadable(model, block, "compensate") is None else "quantized weights that cannot be read: no fold"
+    return {l for l in layers if l not in skip and fold.unfoldable(subject.model, subject.blocks[l], subject.values, "inputs") is None}

@@ -8,10 +8,10 @@ Each chosen block is parallelized (ln2 reads resid_pre) and its Fix folded into 
 so resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b with the ops of parallel(l)
 (plus one bias Add where the mlp projection had no bias and b is given). A fix with an input side (Fix.w_in, b_in)
 is folded into the mlp's input projections too, W <- (I + w_in) W, b <- b + b_in W (a bias Add where one had none
-and b_in is given), so the mlp reads ln2(resid_pre) (I + w_in) + b_in at no extra cost. Products are taken in
-float64 and rounded once to each weight's own type (an fp16 graph stays fp16); MatMulNBits weights are requantized on
-the node's own scales and zero points (the fit's error-aware codes in Fix.packed, else rounded to nearest: surgery.model.nbits).
-New weights are new initializers: an external data file is never modified, and only the projections of each chosen
+and b_in is given), so the mlp reads ln2(resid_pre) (I + w_in) + b_in at no extra cost. The fold is
+surgery.passes.fold's: products in float64, rounded once to each weight's own type (an fp16 graph stays fp16), or
+MatMulNBits weights requantized on the node's own scales and zero points (the fit's error-aware codes in Fix.packed,
+else rounded to nearest). New weights are new initializers: an external data file is never modified, and only the projections of each chosen
 block that its fix folds into are read.
 """
 
@@ -31,7 +31,7 @@ from surgery.model.blocks import BlockMap, branch_nodes
 from surgery.model.layers import checked
 from surgery.model.nodes import Emitter, values_by_name
 from surgery.model.subject import Subject
-from surgery.passes import projection
+from surgery.passes import fold, projection
 from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
 from surgery.passes.driver import apply_pass
 from surgery.passes.fix import Fix
@@ -69,21 +69,19 @@ class Compensate(Pass):
 
     def apply(self, subject, block: BlockMap, args: Compensation) -> Change:
         g, values, fix, layer = subject.graph, subject.values, args.fixes[block.layer], block.layer
-        attn, mlp = projection.outputs(values, block, NAME)
-        (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
-        projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o, fix.packed[0]), node_name(NAME, layer, "o_proj"))
-        out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down, fix.packed[1]), node_name(NAME, layer, "down_proj"))
-        for node in {attn.node, mlp.node, out.producer()}:  # rewired ones too: the driver tags only new nodes
+        outputs = projection.outputs(values, block, NAME)
+        inputs = _input_side(subject.model, block, values) if fix.fixes_input else []  # block: parallel now, ln2 reads resid_pre
+        o_proj, down_proj, *mlp_in = fold.folded(fix, outputs, inputs)
+        fold.set_weights(g, o_proj, node_name(NAME, layer, o_proj.what))
+        out = fold.set_weights(g, down_proj, node_name(NAME, layer, down_proj.what))
+        for node in {o_proj.projection.node, down_proj.projection.node, out.producer()}:  # rewired ones too: the driver tags only new nodes
             tag(node, NAME, layer)
-        mlp.node.metadata_props[metadata.FIX] = fix.describe()
-        where = "W_o and W_down"
-        if fix.fixes_input:
-            for i, p in enumerate(_input_side(subject.model, block, values)):  # block: parallel now, ln2 reads resid_pre
-                weights = projection.rounded(p, *fix.fold_input(p), fix.input_codes(i))
-                out = projection.set_weights(g, p, *weights, node_name(NAME, layer, f"mlp_in.{i}"))
-                for node in {p.node, out.producer()}:
-                    tag(node, NAME, layer)
-            where = "W_o, W_down and the mlp's input projections"
+        down_proj.projection.node.metadata_props[metadata.FIX] = fix.describe()
+        for side in mlp_in:
+            out = fold.set_weights(g, side, node_name(NAME, layer, side.what))
+            for node in {side.projection.node, out.producer()}:
+                tag(node, NAME, layer)
+        where = "W_o, W_down and the mlp's input projections" if mlp_in else "W_o and W_down"
         return Change(layer, f"parallel, {fix.describe()}: fix folded into {where}")
 
     def switch(self, board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
@@ -131,7 +129,7 @@ def compensate(model: "ir.Model | Subject", fixes: Mapping[int, Fix]) -> Surgery
 
 def _input_side(model: ir.Model, block: BlockMap, values: dict[str, ir.Value]) -> list[projection.Projection]:
     """The mlp input projections an input fix folds into; SurgeryError naming the block when there are none to fold into."""
-    found = projection.mlp_inputs(model, values, block)
+    found = fold.input_projections(model, values, block)
     if isinstance(found, str):
         raise SurgeryError(f"cannot fold the mlp input side of block {block.layer}'s fix: {found}")
     return found[1]
@@ -160,7 +158,7 @@ def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None
     """Why `block` cannot be compensated (fused, or parallel as exported), or None."""
     if block.fused:
         return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
-    why = projection.folding_refusal(model, block, "compensate", "a fix of attn_out and mlp_out cannot be folded into W_o and W_down; "
+    why = fold.refusal(model, block, "compensate", "a fix of attn_out and mlp_out cannot be folded into W_o and W_down; "
                                      "parallelize it plain with --no-compensate")
     if why is not None:
         return why
@@ -173,12 +171,12 @@ def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None
 
 
 def mlp_inputs(board, block: BlockMap) -> tuple[ir.Value, list, set[ir.Node]] | str:
-    """projection.mlp_inputs of the block in a switchboard: ln2's output u, the projections reading it and the nodes
+    """fold.input_projections of the block in a switchboard: ln2's output u, the projections reading it and the nodes
     reading u (or why there are no projections to fold into); found through the model as given and remembered from
     the first call: the parallelize switch moves what ln2 reads, and a fit tap may read u later."""
 
     def find():
-        found = projection.mlp_inputs(board.before, board.shared("before_values", lambda: values_by_name(board.before)), block)
+        found = fold.input_projections(board.before, board.shared("before_values", lambda: values_by_name(board.before)), block)
         if isinstance(found, str):
             return found
         u = board.values[found[0].name]
@@ -210,19 +208,15 @@ def _switch(board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
         fixed = _fix_added(board, Emitter(prefix, nodes=built), board.output(block, "mlp"), block, fix, prefix)
         board.choose(block, "mlp", on, built, fixed, f"{prefix}/chosen", lazy=False)
         return
-    attn, mlp = projection.outputs(board.values, block, NAME)
-    sides = list(zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")))
-    sides += [(p, fix.fold_input(p), fix.input_codes(i), f"mlp_in.{i}") for i, p in enumerate(inputs)]
-    switch_weights(board, sides, on, prefix)
+    switch_weights(board, fold.folded(fix, projection.outputs(board.values, block, NAME), inputs), on, prefix)
 
 
-def switch_weights(board, sides: list, on: ir.Value, prefix: str) -> None:
-    """Each (projection, (weight, bias), codes, name) of `sides` computes with that weight and bias (rounded as
-    compensate writes them; MatMulNBits: `codes`, else rounded to nearest) while `on`, and as before otherwise; new
-    nodes and weights are named under `prefix`."""
+def switch_weights(board, sides: list[fold.Folded], on: ir.Value, prefix: str) -> None:
+    """Each projection of `sides` computes with its folded weight and bias (fold.folded's, as compensate writes them)
+    while `on`, and as before otherwise; new nodes and weights are named under `prefix`."""
     e = board.emitter(prefix)
-    for p, (w, b), packed, what in sides:
-        w, b = projection.rounded(p, w, b, packed)
+    for side in sides:
+        p, w, b, what = side.projection, side.weight, side.bias, side.what
         stored = board.weight(f"{prefix}/{what}/weight", w.T if p.transposed else w)
         bias = None if b is None else board.weight(f"{prefix}/{what}/bias", b)
         inner = p.unscaled  # where a bias the projection did not have is added
