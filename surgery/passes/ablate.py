@@ -20,7 +20,7 @@ from surgery.errors import SurgeryError
 from surgery.files import metadata
 from surgery.model.blocks import BlockMap, Branch
 from surgery.model.nodes import Emitter
-from surgery.passes.common import Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
+from surgery.passes.common import Board, Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
 from surgery.passes.driver import apply_pass
 
 NAME = "ablate"
@@ -78,8 +78,9 @@ class Ablate(Pass):
                 user.replace_input_with(index, new_out)
         return Change(block.layer, args.label)
 
-    def switch(self, board, block: BlockMap, on: ir.Value, args: Ablation) -> None:
-        """The residual add receives the edited branch output while `on`; computed only while on when board.lazy."""
+    def switch(self, board: Board, block: BlockMap, on: ir.Value, args: Ablation) -> None:
+        """The residual add receives the edited branch output while `on` (board.choose: computed only while on, where the
+        switchboard is lazy)."""
         out, ref = board.values[block.output(args.branch)], board.values[block.mlp_in if args.branch == "mlp" else block.resid_pre]
         sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink")) if args.keep_sink else None
         built, edited = edit_nodes(out, ref, args.mode, args.scale, board.prefix, float_dtype(board.model, out, board.dtype), sink)

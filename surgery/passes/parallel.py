@@ -11,7 +11,7 @@ from surgery.errors import SurgeryError
 from surgery.files import metadata
 from surgery.files.metadata import tag
 from surgery.model.blocks import BlockMap, branch_nodes
-from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
+from surgery.passes.common import Board, Change, Pass, SurgeryResult, node_name, register
 from surgery.passes.driver import apply_pass
 
 NAME = metadata.PARALLELIZE  # saving splits the sums of the blocks it rewired
@@ -35,7 +35,7 @@ class Parallelize(Pass):
         subject.replace(dataclasses.replace(block, resid_mid=None, mlp_in=block.resid_pre))
         return Change(block.layer, "ln2 reads resid_pre")
 
-    def switch(self, board, block: BlockMap, on: ir.Value, args) -> None:
+    def switch(self, board: Board, block: BlockMap, on: ir.Value, args) -> None:
         """ln2 reads resid_pre while `on`, resid_mid while off."""
         if block.is_parallel:
             return
