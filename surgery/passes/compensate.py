@@ -70,7 +70,7 @@ class Compensate(Pass):
         outputs = projection.outputs(values, block, NAME)
         inputs = _input_side(subject.model, block, values) if fix.fixes_input else []  # block: parallel now, ln2 reads resid_pre
         o_proj, down_proj, *mlp_in = fold.folded(fix, outputs, inputs)
-        fold.set_weights(g, o_proj, node_name(NAME, layer, o_proj.what))
+        fold.set_weights(g, o_proj, node_name(NAME, layer, o_proj.what))  # no new node: b_o exists only where W_o had a bias
         out = fold.set_weights(g, down_proj, node_name(NAME, layer, down_proj.what))
         for node in {o_proj.projection.node, down_proj.projection.node, out.producer()}:  # rewired ones too: the driver tags only new nodes
             tag(node, NAME, layer)

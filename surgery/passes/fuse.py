@@ -218,15 +218,15 @@ def _float_in(e: Emitter, const, n: ir.Value, inputs: list, fix: Fix, ln2, value
     """What read ln1 and ln2 reads pieces of one MatMul of the norm n, [q | k | v | gate | up]: each ln's scale
     (and LayerNorm bias: b @ W) folded into the weights of the projections reading it, and the fix's input side into
     those reading ln2 first; folded in float64, rounded once to `dtype`."""
-    values_of = lambda name: values[name].const_value.numpy().astype(np.float64)  # noqa: E731
+    array = lambda name: values[name].const_value.numpy().astype(np.float64)  # noqa: E731  an ln scale or bias
 
     def scaled_by(ln, p: projection.Projection) -> tuple[np.ndarray, np.ndarray]:
         """p's weight [in, out] and bias [out] as p would read ln's scale and bias."""
         weight, bias = fold.input_weights(fix, p) if ln is ln2 else (p.weight.astype(np.float64), p.bias)  # the fix's input side first
         bias = np.zeros(weight.shape[1]) if bias is None else bias.astype(np.float64)
         if ln.bias is not None:
-            bias = bias + values_of(ln.bias) @ weight
-        return values_of(ln.scale)[:, None] * weight, bias
+            bias = bias + array(ln.bias) @ weight
+        return array(ln.scale)[:, None] * weight, bias
 
     weights = [scaled_by(ln, p) for p, ln in inputs]
     w_in = np.concatenate([w for w, _ in weights], axis=1).astype(dtype)
