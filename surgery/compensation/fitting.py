@@ -472,7 +472,7 @@ def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1,
 
 
 def fit_passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, settings: FitSettings = FitSettings(),
-           pool: cluster.Pool | None = None, compensated: Collection[int] = ()) -> int:
+               pool: cluster.Pool | None = None, compensated: Collection[int] = ()) -> int:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None): one per chunk
     of layers, and one more for each chunk with an input side to fit (none for the `compensated` ones: they keep theirs)."""
     subject = Subject.of(model)

@@ -163,7 +163,7 @@ def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None
     if block.fused:
         return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
     why = fold.refusal(model, block, "compensate", "a fix of attn_out and mlp_out cannot be folded into W_o and W_down; "
-                                     "parallelize it plain with --no-compensate")
+                       "parallelize it plain with --no-compensate")
     if why is not None:
         return why
     if block.is_parallel and not any(metadata.made_by(n) == metadata.PARALLELIZE for n in branch_nodes(model, block, "mlp", values)):

@@ -110,7 +110,7 @@ def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None
     if block.fused:
         return None  # fuse says it is already fused
     why = fold.refusal(model, block, "fuse", "attn_out and mlp_out cannot come from one [o ; down] MatMul; "
-                                     "parallelize it without --fuse")
+                       "parallelize it without --fuse")
     if why is not None:
         return why
     values = values if values is not None else values_by_name(model)
