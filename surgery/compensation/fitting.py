@@ -448,7 +448,8 @@ def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], se
                 fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in, packed_in=side.packed_in)
                 result = dataclasses.replace(result, fix=fix, input_residual=residual)
             if sums[layer].grams:
-                result = dataclasses.replace(result, fix=requantization.output_codes(plan.model, plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
+                fix = requantization.output_codes(plan.model, plan.values, plan.blocks[layer], result.fix, sums[layer].grams)
+                result = dataclasses.replace(result, fix=fix)
         results[layer] = result
     return results
 

@@ -74,6 +74,7 @@ def input_weights(fix: Fix, p: Projection) -> tuple[np.ndarray, np.ndarray | Non
 
 
 def _times_one_plus(x: np.ndarray, w: np.ndarray | float | None) -> np.ndarray:
+    """x (I + w) in float64: w a matrix, a number (w I) or None (0)."""
     x = np.asarray(x, np.float64)
     if w is None:
         return x
@@ -96,9 +97,7 @@ def folded(fix: Fix, outputs: tuple[Projection, Projection] | None = None, input
     weight, or for MatMulNBits the codes on the node's own scales (the fit's, Fix.packed and Fix.packed_in, where it
     chose them, else rounded to nearest) and the bias in the scales' type."""
     codes = (list(fix.packed) if outputs is not None else []) + [_input_codes(fix, i) for i in range(len(inputs))]
-    return [dataclasses.replace(side, weight=weight, bias=bias)
-            for side, packed in zip(exact(fix, outputs, inputs), codes)
-            for weight, bias in [_stored(side, packed)]]
+    return [_stored(side, packed) for side, packed in zip(exact(fix, outputs, inputs), codes)]
 
 
 def _input_codes(fix: Fix, i: int) -> np.ndarray | None:
@@ -106,13 +105,14 @@ def _input_codes(fix: Fix, i: int) -> np.ndarray | None:
     return fix.packed_in[i] if fix.packed_in and i < len(fix.packed_in) else None
 
 
-def _stored(side: Folded, packed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+def _stored(side: Folded, packed: np.ndarray | None) -> Folded:
+    """An exact side as the graph stores it: `packed` codes, or rounded once (to nearest codes, or to the weight's type)."""
     p, bias = side.projection, side.bias
     if p.quant is not None:
         codes = packed if packed is not None else p.quant.packed(p.quant.round(side.weight))
-        return codes, None if bias is None else bias.astype(p.quant.dtype)
+        return dataclasses.replace(side, weight=codes, bias=None if bias is None else bias.astype(p.quant.dtype))
     dtype = p.weight.dtype
-    return side.weight.astype(dtype), None if bias is None else bias.astype(dtype)
+    return dataclasses.replace(side, weight=side.weight.astype(dtype), bias=None if bias is None else bias.astype(dtype))
 
 
 def set_weights(graph: ir.Graph, side: Folded, name: str) -> ir.Value:
