@@ -37,7 +37,7 @@ _API = {
     "compensate": "surgery.passes:compensate",
     "ablate": "surgery.passes:ablate",
     "fuse": "surgery.passes:fuse",
-    "apply_pass": "surgery.passes:rewrite",
+    "apply_pass": "surgery.passes:apply_pass",
     "Fix": "surgery.passes:Fix",
     "Change": "surgery.passes:Change",
     "SurgeryResult": "surgery.passes:SurgeryResult",

@@ -134,8 +134,8 @@ def test_fit_on_a_local_2_cpu_ray_cluster_equals_the_in_process_fit(fixture_path
     here = compensation.fit(model, windows, settings=FitSettings(memory=bound, input_windows=5))
     with cluster.pool(workers=2) as pool:
         # each chunk: the input side's pass and the output side's
-        assert (pool.copies, compensation.passes(model, settings=FitSettings(memory=bound), pool=pool),
-                compensation.passes(model, settings=FitSettings(memory=bound))) == (3, 6, 2)
+        assert (pool.copies, compensation.fit_passes(model, settings=FitSettings(memory=bound), pool=pool),
+                compensation.fit_passes(model, settings=FitSettings(memory=bound))) == (3, 6, 2)
         done = []
         there = compensation.fit(model, windows, settings=FitSettings(memory=bound, input_windows=5), pool=pool,
                                  progress=lambda d, t: done.append((d, t)))

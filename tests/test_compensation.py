@@ -96,10 +96,10 @@ def test_the_fit_makes_as_many_passes_as_the_memory_bound_needs_and_says_so(fixt
     windows = data.windows(path, seq_len=16, max_windows=4, part="calibration")
     one_layer = NormalEquations.nbytes(embedding_table(model)[1])
     outputs_only = FitSettings(input_fix=False)
-    assert compensation.passes(model, settings=outputs_only) == 1 and compensation.passes(model, {0, 2}, outputs_only) == 1
-    assert compensation.passes(model) == 2 and compensation.passes(model, settings=FitSettings(kind="gate")) == 1  # the input side's pass first
-    assert compensation.passes(model, settings=FitSettings(memory=one_layer)) == 6
-    assert compensation.passes(model, settings=FitSettings(memory=2 * one_layer, input_fix=False)) == 2
+    assert compensation.fit_passes(model, settings=outputs_only) == 1 and compensation.fit_passes(model, {0, 2}, outputs_only) == 1
+    assert compensation.fit_passes(model) == 2 and compensation.fit_passes(model, settings=FitSettings(kind="gate")) == 1  # the input side's pass first
+    assert compensation.fit_passes(model, settings=FitSettings(memory=one_layer)) == 6
+    assert compensation.fit_passes(model, settings=FitSettings(memory=2 * one_layer, input_fix=False)) == 2
     steps = []
     chunked = compensation.fit(model, windows, settings=FitSettings(memory=one_layer), progress=lambda done, total: steps.append(total))
     assert set(steps) == {6 * len(windows)} and len(steps) == 6 * len(windows)  # two passes over the windows per layer

@@ -22,7 +22,7 @@ from surgery.measure.timing import LatencySettings
 from surgery.model import nodes
 from surgery.model.blocks import find_blocks
 from surgery.model.embedding import embedding_table
-from surgery.passes import MODES, Fix, ablate, compensate, fuse, parallelize, projection
+from surgery.passes import MODES, Fix, ablate, compensate, fold, fuse, parallelize, projection
 from surgery.text.data import DataSettings
 from tests.helpers import FAMILIES, FLOAT32, Tol, assert_found_tensors_equal_hooked, assert_logits_equal
 from tests.helpers import logits as ids_logits
@@ -444,7 +444,7 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     attn, mlp = (projection.producing(values[v], 1, v) for v in (block.attn_out, block.mlp_out))
     side = Fix(w_in=fit.fix.w_in, b_in=fit.fix.b_in, packed_in=fit.fix.packed_in)  # the fit's input side, which W_down's input has passed
     sided = compensation.Accumulator(fit_graph(model, layers=[1], input_sides={1: side})).run([1], IDS, 0, switched(3))[0][1]
-    for p, (w, _), packed, name in zip((attn, mlp), fit.fix.fold(attn, mlp), fit.fix.packed, ("o_in", "down_in")):
+    for p, (w, _), packed, name in zip((attn, mlp), fold.output_weights(fit.fix, attn, mlp), fit.fix.packed, ("o_in", "down_in")):
         np.testing.assert_array_equal(packed, p.quant.packed(p.quant.gptq(w, sided.grams[name])))
         assert not np.array_equal(packed, p.quant.packed(p.quant.round(w)))  # error-aware is not rounding to nearest
     nearest = compensation.fit(model, windows, [1], settings=FitSettings(requantize="nearest"))[1].fix
@@ -463,10 +463,10 @@ def test_the_int4_fit_gathers_the_output_projections_input_moments_and_folds_err
     d = u.shape[1]
     gram = inputs.zz[:, :d, :d].sum(0)
     np.testing.assert_allclose(gram, u.T @ u, rtol=1e-4, atol=1e-4 * np.abs(u.T @ u).max())
-    readers = projection.mlp_inputs(model, values, block)[1]
+    readers = fold.input_projections(model, values, block)[1]
     assert fit.fix.w_in is not None and len(fit.fix.packed_in) == len(readers)
     for p, codes in zip(readers, fit.fix.packed_in):
-        np.testing.assert_array_equal(codes, p.quant.packed(p.quant.gptq(fit.fix.fold_input(p)[0], gram)))
+        np.testing.assert_array_equal(codes, p.quant.packed(p.quant.gptq(fold.input_weights(fit.fix, p)[0], gram)))
 
 
 @pytest.mark.parametrize("name", ["genai-int4", "genai-int4-llama", "genai-int4-qwen2"])
@@ -518,7 +518,7 @@ def test_an_int4_fix_s_input_side_is_numpy_s_rounding_of_the_folded_gate_and_up(
     written = compensate(model, {1: fix}).model
     before = {n.name: n for n in model.graph if n.op_type == "MatMulNBits"}
     block = find_blocks(model)[1]
-    u, readers = projection.mlp_inputs(model, nodes.values_by_name(model), block)
+    u, readers = fold.input_projections(model, nodes.values_by_name(model), block)
     assert readers and all(p.quant is not None for p in readers)
     shifts = []
     for p in readers:

@@ -16,7 +16,7 @@ from surgery.errors import SurgeryError
 from surgery.files import graph, metadata
 from surgery.model.nodes import Emitter
 from surgery.model.subject import Subject
-from surgery.passes import PASSES, Change, Pass, ablate, register, rewrite
+from surgery.passes import PASSES, Change, Pass, ablate, apply_pass, register
 from surgery.passes.common import float_dtype, node_name
 
 # ---- the pass module: surgery/passes/scale_attn.py would hold exactly this (and `register(ScaleAttn())`) ----
@@ -82,7 +82,7 @@ def _logits(model, ids, extra=None):
 def _written(model, name):
     p = PASSES[name]
     args = p.example(Subject.of(model), LAYERS)
-    return p, args, rewrite(model, p, LAYERS, args)
+    return p, args, apply_pass(model, p, LAYERS, args)
 
 
 def _nodes(model):
@@ -95,7 +95,7 @@ def test_a_pass_is_pure_and_idempotent(model, name):
     p, args, result = _written(model, name)
     assert ir.serde.serialize_model(model).SerializeToString() == before  # the input is not modified
     assert result.changed_layers == tuple(LAYERS)
-    again = rewrite(result.model, p, LAYERS, args)
+    again = apply_pass(result.model, p, LAYERS, args)
     assert again.changed_layers == () and [c.layer for c in again.changes] == LAYERS
     assert _nodes(again.model) == _nodes(result.model)
     assert metadata.history(again.model) == metadata.history(result.model)
@@ -146,12 +146,12 @@ def test_inspect_shows_a_pass(model, name, tmp_path):
 def test_the_pass_defined_here_equals_the_built_in_scaling(model):
     ids = np.random.default_rng(1).integers(0, 512, size=(1, 12))
     expected = _logits(ablate(model, "attn", "scale", LAYERS, scale=0.5).model, ids)  # checked against HF hooks in test_passes
-    np.testing.assert_allclose(_logits(rewrite(model, NAME, LAYERS, 0.5).model, ids), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_logits(apply_pass(model, NAME, LAYERS, 0.5).model, ids), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_unknown_pass_is_one_line(model):
     with pytest.raises(SurgeryError, match="no pass named 'nope'; the passes are ablate, compensate, fuse"):
-        rewrite(model, "nope", [0])
+        apply_pass(model, "nope", [0])
 
 
 def test_register_makes_a_pass_known(monkeypatch):

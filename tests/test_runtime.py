@@ -321,7 +321,7 @@ def test_the_cuda_benchmark_smoke_run_needs_only_the_gpu_machines_packages_and_p
 
 
 def test_the_cuda_equality_check_smoke_run_scores_each_fixture_like_evaluate():
-    """CPU against CPU: each fixture's row is surgery.measure.evaluate's numbers for the fixture and its all-block plain parallel
+    """CPU against CPU: each fixture's row is surgery.measure.scoring's numbers for the fixture and its all-block plain parallel
     rewrite on 16 windows of 32 ids drawn by NumPy's generator seeded 0."""
     from surgery.jobs.job import parallel_form
     from surgery.model.blocks import find_blocks

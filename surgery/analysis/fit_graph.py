@@ -24,9 +24,7 @@ from surgery.files import metadata
 from surgery.model.blocks import BlockMap, branch_nodes
 from surgery.model.nodes import Emitter, values_by_name
 from surgery.model.subject import Subject
-from surgery.passes import Compensation, Fix, projection
-from surgery.passes.compensate import NAME as COMPENSATE
-from surgery.passes.compensate import input_fixed, mlp_inputs, redirect_readers, switch_weights
+from surgery.passes import COMPENSATE, Compensation, Fix, fold, projection
 
 Form = Literal["compensated", "plain"]  # a parallel block with its fix folded in, or without
 PARALLEL = Switch(metadata.PARALLELIZE)
@@ -41,7 +39,7 @@ RESUME, STREAM = "surgery/fit/resid_pre", "surgery/fit/stream"  # a pass's strea
 def kinds(fixes: Mapping[int, Fix] | None = None, after_branch: bool = False) -> list[Switch]:
     """The switchboard kinds every fit and trial uses: parallel, and compensated with `fixes` (a compensated block has
     both on). after_branch: the fixes are added after the branches (what the fit's taps need)."""
-    return [PARALLEL, Switch(COMPENSATE, Compensation(dict(fixes or {}), after_branch))]
+    return [PARALLEL, Switch(COMPENSATE.name, Compensation(dict(fixes or {}), after_branch))]
 
 
 def switched(n_layers: int, forms: Mapping[int, Form] | None = None) -> np.ndarray:
@@ -102,7 +100,7 @@ def fit_graph(model: "ir.Model | Subject", fixes: dict[int, Fix] | None = None, 
     return board
 
 
-def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Value], input_sides: dict[int, Fix]) -> None:
+def _fit_taps(board: board_graph.Switchboard, block: BlockMap, ons: dict[Switch, ir.Value], input_sides: dict[int, Fix]) -> None:
     """Output attn_out, mlp_x, delta, resid_post of a sequential block, with its parallelize switch `on` or off, and
     the mlp's input read from resid_pre and from resid_mid (where its input projections are found); with an input
     side in `input_sides`, the twin mlp, while it reads resid_pre, reads it through that side: as float ops, or, for
@@ -113,7 +111,7 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Va
     g, values, e = board.graph, board.values, board.emitter(prefix)
     mid, pre = values[block.resid_mid], values[block.resid_pre]
     other = e.op("Where", [on, mid, pre], "twin_in")  # the input the mlp branch does not read
-    mlp_in = mlp_inputs(board, block)  # before the twin and the taps read ln2's output
+    mlp_in = board.mlp_inputs(block)  # before the twin and the taps read ln2's output
     branch = branch_nodes(board.model, block, "mlp", values)
     copies = twin_branch(g, branch, {mid: other}, f"{prefix}/twin")
     top = board.emitter("")
@@ -123,12 +121,11 @@ def _fit_taps(board: board_graph.Board, block: BlockMap, ons: dict[Switch, ir.Va
         fix = input_sides.get(block.layer)
         twins = projection.reading(twin_u, block.layer) if fix is not None else []
         if any(p.quant is not None for p in twins):  # MatMulNBits: their requantized codes, as compensate writes them
-            sides = [(p, fix.fold_input(p), fix.input_codes(i), f"mlp_in.{i}") for i, p in enumerate(twins)]
-            switch_weights(board, sides, e.op("Not", [on], "twin_parallel"), f"{prefix}/twin")
+            board.switch_weights(fold.folded(fix, inputs=twins), e.op("Not", [on], "twin_parallel"), f"{prefix}/twin")
         elif fix is not None:
             side = board.emitter(f"{prefix}/twin/mlp_in")
-            fixed = input_fixed(board, side, twin_u, fix)
-            redirect_readers(twin_u, side.op("Where", [on, twin_u, fixed], "chosen"), readers)
+            fixed = board.input_fixed(side, twin_u, fix)
+            board.redirect(twin_u, side.op("Where", [on, twin_u, fixed], "chosen"), readers)
         # ln2 of resid_pre and of resid_mid, each from a copy of ln2's nodes: whatever the switches, and without
         # reading ln2's own output, which the parallelize switch requires the branch alone to read
         norm = _producers(u, branch)

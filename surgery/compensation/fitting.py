@@ -57,7 +57,7 @@ from surgery.files.checkpoint import Checkpoints
 from surgery.model.blocks import BlockMap
 from surgery.model.embedding import embedding_table
 from surgery.model.subject import Subject
-from surgery.passes import Fix, projection
+from surgery.passes import Fix, fold
 from surgery.passes.compensate import refusal
 from surgery.text.data import Windows, spread
 
@@ -223,7 +223,7 @@ def _plan(subject: Subject, windows: Windows, layers: Collection[int] | None, fi
     table = embedding_table(model)
     if table is None:
         raise SurgeryError("cannot fit a compensation: found no token embedding table to read d_model from")
-    no_fold = {b.layer: _no_fold(model, b) for b in blocks if not b.is_parallel}
+    no_fold = {b.layer: fold.unfoldable(model, b) for b in blocks if not b.is_parallel}
     for block in (b for b in blocks if layers is not None and b.layer in layers):
         if block.is_parallel or no_fold[block.layer]:
             raise SurgeryError(refusal(model, block) or (
@@ -448,7 +448,8 @@ def _solve(plan: FitPlan, chunk: list[int], sums: dict[int, NormalEquations], se
                 fix = dataclasses.replace(result.fix, w_in=side.w_in, b_in=side.b_in, packed_in=side.packed_in)
                 result = dataclasses.replace(result, fix=fix, input_residual=residual)
             if sums[layer].grams:
-                result = dataclasses.replace(result, fix=requantization.output_codes(plan.values, plan.blocks[layer], result.fix, sums[layer].grams))
+                fix = requantization.output_codes(plan.model, plan.values, plan.blocks[layer], result.fix, sums[layer].grams)
+                result = dataclasses.replace(result, fix=fix)
         results[layer] = result
     return results
 
@@ -471,8 +472,8 @@ def _chunks(layers: list[int], d_model: int, memory_bytes: int, copies: int = 1,
     return chunks
 
 
-def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, settings: FitSettings = FitSettings(),
-           pool: cluster.Pool | None = None, compensated: Collection[int] = ()) -> int:
+def fit_passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, settings: FitSettings = FitSettings(),
+               pool: cluster.Pool | None = None, compensated: Collection[int] = ()) -> int:
     """How many passes over the fit windows `fit` makes for these layers (all sequential blocks when None): one per chunk
     of layers, and one more for each chunk with an input side to fit (none for the `compensated` ones: they keep theirs)."""
     subject = Subject.of(model)
@@ -488,13 +489,4 @@ def passes(model: "ir.Model | Subject", layers: Collection[int] | None = None, s
 def _input_sided(subject: Subject, layers: Collection[int], skip: Collection[int] = ()) -> set[int]:
     """The layers whose fix gets an input side: its mlp's input projections are found (float or MatMulNBits), the fix
     folds, and the layer is not in `skip` (compensated already: it keeps its fix's)."""
-    model, values, blocks = subject.model, subject.values, subject.blocks
-    return {l for l in layers if l not in skip and _no_fold(model, blocks[l]) is None
-            and not isinstance(projection.mlp_inputs(model, values, blocks[l]), str)}
-
-
-def _no_fold(model: ir.Model, block: BlockMap) -> str | None:
-    """Why a fix of this sequential block could not be folded into its weights, or None."""
-    if block.post_norm:
-        return "branch outputs are normalised: no fold"
-    return None if projection.unreadable(model, block, "compensate") is None else "quantized weights that cannot be read: no fold"
+    return {l for l in layers if l not in skip and fold.unfoldable(subject.model, subject.blocks[l], subject.values, "inputs") is None}

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from surgery.compensation.equations import InputEquations
 from surgery.model.blocks import BlockMap
 from surgery.model.subject import Subject
-from surgery.passes import Fix, projection
+from surgery.passes import Fix, fold, projection
 
 
 def quantized_outputs(model: "ir.Model | Subject") -> dict[int, tuple[ir.Node, ir.Node]]:
@@ -36,22 +36,21 @@ def input_widths(model: "ir.Model | Subject", layers: Collection[int], requantiz
     return {l: tuple(int(n.attributes["K"].value) for n in pair) for l, pair in quantized_outputs(model).items() if l in layers}
 
 
-def output_codes(values: dict[str, ir.Value], block: BlockMap, fix: Fix, grams: dict[str, np.ndarray]) -> Fix:
+def output_codes(model: ir.Model, values: dict[str, ir.Value], block: BlockMap, fix: Fix, grams: dict[str, np.ndarray]) -> Fix:
     """`fix` with the codes of W_o (I + w_a) and W_down (I + w_p) chosen error-aware (surgery.model.nbits) on the second
     moments of their inputs, `grams` (INPUT_TAPS); values: the model's, by name."""
-    attn, mlp = projection.outputs(values, block, "compensate")
-    (w_o, _), (w_down, _) = fix.fold(attn, mlp)
-    packed = tuple(p.quant.packed(p.quant.gptq(w, grams[name])) for p, w, name in ((attn, w_o, "o_in"), (mlp, w_down, "down_in")))
+    sides = fold.to_requantize(model, values, block, fix, "outputs")
+    packed = tuple(s.projection.quant.packed(s.projection.quant.gptq(s.weight, grams[name])) for s, name in zip(sides, ("o_in", "down_in")))
     return dataclasses.replace(fix, packed=packed)
 
 
 def input_codes(model: ir.Model, values: dict[str, ir.Value], block: BlockMap, side: Fix, sums: InputEquations) -> Fix:
     """The input side with the codes of its MatMulNBits mlp input projections chosen error-aware (GPTQ on sum u u', the
     top-left block of the input equations' z'z over both folds); unchanged where they are float projections."""
-    found = projection.mlp_inputs(model, values, block)
-    if isinstance(found, str) or all(p.quant is None for p in found[1]):
+    sides = fold.to_requantize(model, values, block, side, "inputs")
+    if all(s is None for s in sides):
         return side
     d = sums.zd.shape[2]
     gram = sums.zz[:, :d, :d].sum(0)
-    codes = tuple(None if p.quant is None else p.quant.packed(p.quant.gptq(side.fold_input(p)[0], gram)) for p in found[1])
+    codes = tuple(None if s is None else s.projection.quant.packed(s.projection.quant.gptq(s.weight, gram)) for s in sides)
     return dataclasses.replace(side, packed_in=codes)

@@ -273,7 +273,7 @@ class _Refit:
     the chosen set's cost with them (kept when report["kept"])."""
 
     report: dict
-    passes: int
+    fit_passes: int
     trials: Trials
     fits: dict[int, FitResult]
     dnll: Delta
@@ -375,12 +375,12 @@ def _fit(model: Subject, windows: Windows, fit_windows: Windows | None, fit: Fit
         stats = defect_scores(model, windows, options, lambda d, t: tell("defect scores", d, t))
         stats["c_comp"] = [None] * n
         return {}, 0, stats
-    passes = compensation.passes(model, settings=fit, pool=pool)
+    fit_passes = compensation.fit_passes(model, settings=fit, pool=pool)
     fits = compensation.fit(model, fit_windows, settings=fit, options=options, pool=pool, work=work,
-                            progress=lambda d, t: tell(f"fit ({passes} pass{'es' if passes > 1 else ''})", d, t))
+                            progress=lambda d, t: tell(f"fit ({fit_passes} pass{'es' if fit_passes > 1 else ''})", d, t))
     stats = {k: [fits[l].scores[k] if l in fits else None for l in range(n)] for k in ("c", "c_stream", "alpha")}
     stats["c_comp"] = [fits[l].c_comp if l in fits and fits[l].fix is not None else None for l in range(n)]
-    return fits, passes, stats
+    return fits, fit_passes, stats
 
 
 def _candidates(blocks: list[BlockMap], stats: dict[str, list[float | None]], score: Score, protect_first: int,
@@ -449,7 +449,7 @@ def _refit(runs: Trials, fit_windows: Windows, chosen: _Chosen, fits: dict[int, 
     model, pool, options = runs.subject, runs.pool, runs.options
     compensated = {l for l, f in chosen.forms.items() if f == "compensated"}
     fixes = fixes_of(fits)
-    passes = compensation.passes(model, compensated, fit, pool, compensated=compensated)  # they keep their input sides
+    fit_passes = compensation.fit_passes(model, compensated, fit, pool, compensated=compensated)  # they keep their input sides
     again = compensation.fit(model, fit_windows, compensated, settings=fit, fixes=fixes, forms=chosen.forms, options=options, pool=pool,
                              work=work.scope("refit"), progress=lambda d, t: tell("refit", d, t))
     new_fits = {**fits, **{l: f for l, f in again.items() if f.fix is not None}}
@@ -459,7 +459,7 @@ def _refit(runs: Trials, fit_windows: Windows, chosen: _Chosen, fits: dict[int, 
     kept = budget.cost(d, kl) < budget.cost(chosen.dnll, chosen.divergence)
     report = {"layers": sorted(again), "dnll_before": chosen.dnll.to_json(), "dnll_after": d.to_json(),
               "kl_before": chosen.divergence.to_json(), "kl_after": kl.to_json(), "kept": kept}
-    return _Refit(report, passes, refitted, new_fits, d, kl, again.seconds)
+    return _Refit(report, fit_passes, refitted, new_fits, d, kl, again.seconds)
 
 
 def _selection(model: ir.Model, chosen: _Chosen, stats: dict[str, list[float | None]], fits: dict[int, FitResult], runs: Trials,
@@ -482,7 +482,7 @@ def _selection(model: ir.Model, chosen: _Chosen, stats: dict[str, list[float | N
         dnll=dnll,
         divergence=divergence,
         refit=None if again is None else again.report,
-        fit_passes=fit_passes + (again.passes if again else 0),
+        fit_passes=fit_passes + (again.fit_passes if again else 0),
         forward_passes=runs.passes + (again.trials.passes if again else 0),
         blocks_run=runs.blocks_run + (again.trials.blocks_run if again else 0),
         stopped=chosen.stopped,

@@ -10,8 +10,8 @@ import pkgutil
 
 from surgery.passes.ablate import BRANCHES, MODES, Ablation, ablate
 from surgery.passes.common import PASSES, Change, Pass, SurgeryResult, register
-from surgery.passes.compensate import Compensation, compensate
-from surgery.passes.driver import rewrite
+from surgery.passes.compensate import COMPENSATE, Compensation, compensate
+from surgery.passes.driver import apply_pass
 from surgery.passes.fix import Fix
 from surgery.passes.fuse import Fusion, fuse
 from surgery.passes.parallel import parallelize
@@ -19,5 +19,5 @@ from surgery.passes.parallel import parallelize
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["BRANCHES", "MODES", "PASSES", "Ablation", "Change", "Compensation", "Fix", "Fusion", "Pass", "SurgeryResult", "ablate",
-           "compensate", "fuse", "parallelize", "register", "rewrite"]
+__all__ = ["BRANCHES", "COMPENSATE", "MODES", "PASSES", "Ablation", "Change", "Compensation", "Fix", "Fusion", "Pass", "SurgeryResult",
+           "ablate", "apply_pass", "compensate", "fuse", "parallelize", "register"]

@@ -20,8 +20,8 @@ from surgery.errors import SurgeryError
 from surgery.files import metadata
 from surgery.model.blocks import BlockMap, Branch
 from surgery.model.nodes import Emitter
-from surgery.passes.common import Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
-from surgery.passes.driver import rewrite
+from surgery.passes.common import Board, Change, Pass, SurgeryResult, float_dtype, narrower_than_float32, node_name, register
+from surgery.passes.driver import apply_pass
 
 NAME = "ablate"
 Mode = Literal["tangential", "radial", "remove", "scale"]
@@ -78,8 +78,9 @@ class Ablate(Pass):
                 user.replace_input_with(index, new_out)
         return Change(block.layer, args.label)
 
-    def switch(self, board, block: BlockMap, on: ir.Value, args: Ablation) -> None:
-        """The residual add receives the edited branch output while `on`; computed only while on when board.lazy."""
+    def switch(self, board: Board, block: BlockMap, on: ir.Value, args: Ablation) -> None:
+        """The residual add receives the edited branch output while `on` (board.choose: computed only while on, where the
+        switchboard is lazy)."""
         out, ref = board.values[block.output(args.branch)], board.values[block.mlp_in if args.branch == "mlp" else block.resid_pre]
         sink = board.shared("sink", lambda: sink_mask(board.model, "surgery/switchboard/sink")) if args.keep_sink else None
         built, edited = edit_nodes(out, ref, args.mode, args.scale, board.prefix, float_dtype(board.model, out, board.dtype), sink)
@@ -119,7 +120,7 @@ def ablate(model, branch: Branch, mode: Mode, layers: Collection[int], scale: fl
         SurgeryError: an unknown branch or mode, a missing, non-finite or misplaced `scale`, a layer out of range or a
             fused block (before any work), or `keep_sink` on a graph with neither a position_ids nor an input_ids input.
     """
-    return rewrite(model, ABLATE, layers, Ablation(branch, mode, scale, keep_sink))
+    return apply_pass(model, ABLATE, layers, Ablation(branch, mode, scale, keep_sink))
 
 
 def _check(branch: str, mode: str, scale: float | None) -> None:

@@ -6,31 +6,37 @@ A pass is a per-block rewrite with typed arguments. It declares, once, in its mo
     class Parallelize(Pass):
         name = "parallelize"
         def apply(self, subject, block, args) -> Change: ...            # the written rewrite of one block
-        def switch(self, board, block, on, args) -> None: ...           # the same edit behind a run-time switch
+        def switch(self, board: Board, block, on, args) -> None: ...    # the same edit behind a run-time switch
 
-and registers one instance (`PARALLELIZE = register(Parallelize())`). The driver (surgery.passes.driver.rewrite)
+and registers one instance (`PARALLELIZE = register(Parallelize())`). The driver (surgery.passes.driver.apply_pass)
 does the rest for every pass alike: it clones the model, checks the layers and every refusal before any work,
 applies the passes named in `before` to each block first, loops over the blocks, tags each new node with the pass
-and its block, finds the blocks again where a rewrite moved them, and records the model's history.
+and its block, finds the blocks again where a rewrite moved them, and records the model's history. A switch builds
+with the Board: what it may use of the switchboard graph (surgery.analysis.switchboard implements it; the protocol is
+here because the analysis stage sits above the passes).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import onnx_ir as ir
 
 from surgery.files import metadata
-from surgery.model.blocks import BlockMap
+from surgery.model.blocks import BlockMap, Branch
 from surgery.model.embedding import stream_dtype
 from surgery.model.layers import checked
+from surgery.model.nodes import Emitter
 from surgery.version import __version__
 
 if TYPE_CHECKING:
     from surgery.model.subject import Subject
+    from surgery.passes.fix import Fix
+    from surgery.passes.fold import Folded
+    from surgery.passes.projection import Projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +76,43 @@ class SurgeryResult:
         return tuple(c.layer for c in self.changes if c.applied)
 
 
+class Board(Protocol):
+    """What a pass's switch may use of the switchboard graph while it is built (surgery.analysis.switchboard's
+    Switchboard): the graph, its values by name and the stream's float type, the prefix that names the switch's
+    nodes (surgery/switchboard/<k>.<pass>/blocks.<layer>), and the edits several switches share."""
+
+    model: ir.Model
+    graph: ir.Graph
+    values: dict[str, ir.Value]
+    dtype: np.dtype
+    prefix: str
+
+    def emitter(self, prefix: str | None = None) -> Emitter:
+        """Nodes named under `prefix` (the current switch's when None), appended to the graph."""
+
+    def shared(self, key: Any, make: Callable[[], Any]) -> Any:
+        """What every switch may read (a mask), or a pass remembers per block, made once."""
+
+    def choose(self, block: BlockMap, branch: Branch, on: ir.Value, built: list[ir.Node], edited: ir.Value, name: str,
+               lazy: bool | None = None) -> None:
+        """The residual add of `branch` reads `edited` (computed by `built`) while `on`, else what it read."""
+
+    def mlp_inputs(self, block: BlockMap) -> tuple[ir.Value, list[Projection], set[ir.Node]] | str:
+        """ln2's output u, the projections an input side folds into and the nodes reading u; or why there are none."""
+
+    def switch_weights(self, sides: Sequence[Folded], on: ir.Value, prefix: str | None = None) -> None:
+        """Each folded projection computes with its new weight and bias while `on`, as before otherwise."""
+
+    def input_fixed(self, e: Emitter, u: ir.Value, fix: Fix) -> ir.Value:
+        """u (I + w_in) + b_in, the input side of `fix`, as explicit ops emitted through `e`."""
+
+    def redirect(self, u: ir.Value, new: ir.Value, readers: set[ir.Node]) -> None:
+        """The nodes in `readers` that read u read `new` instead."""
+
+    def add_after_branch(self, block: BlockMap, fix: Fix, on: ir.Value) -> None:
+        """resid_post gains attn_out w_a + mlp_out w_p + b (the output side of `fix`) while `on`, after the branch."""
+
+
 class Pass:
     """A per-block rewrite (module docstring). Subclasses set `name` and define `apply`; the rest is optional.
 
@@ -98,7 +141,9 @@ class Pass:
         rewires it tags itself (metadata.tag)."""
         raise NotImplementedError
 
-    switch: ClassVar[Any] = None  # def switch(self, board, block, on, args): the edit chosen while the boolean `on`
+    # def switch(self, board: Board, block, on, args) -> None: the same edit, chosen while the boolean value `on`;
+    # None where the pass offers no switch
+    switch: Callable[[Board, BlockMap, ir.Value, Any], None] | None = None
 
     def options(self, args: Any, layers: tuple[int, ...]) -> dict:
         """What the model's history records of `args` for the layers changed."""

@@ -8,10 +8,10 @@ Each chosen block is parallelized (ln2 reads resid_pre) and its Fix folded into 
 so resid_post = resid_pre + attn_out (I + w_a) + mlp_out (I + w_p) + b with the ops of parallel(l)
 (plus one bias Add where the mlp projection had no bias and b is given). A fix with an input side (Fix.w_in, b_in)
 is folded into the mlp's input projections too, W <- (I + w_in) W, b <- b + b_in W (a bias Add where one had none
-and b_in is given), so the mlp reads ln2(resid_pre) (I + w_in) + b_in at no extra cost. Products are taken in
-float64 and rounded once to each weight's own type (an fp16 graph stays fp16); MatMulNBits weights are requantized on
-the node's own scales and zero points (the fit's error-aware codes in Fix.packed, else rounded to nearest: surgery.model.nbits).
-New weights are new initializers: an external data file is never modified, and only the projections of each chosen
+and b_in is given), so the mlp reads ln2(resid_pre) (I + w_in) + b_in at no extra cost. The fold is
+surgery.passes.fold's: products in float64, rounded once to each weight's own type (an fp16 graph stays fp16), or
+MatMulNBits weights requantized on the node's own scales and zero points (the fit's error-aware codes in Fix.packed,
+else rounded to nearest). New weights are new initializers: an external data file is never modified, and only the projections of each chosen
 block that its fix folds into are read.
 """
 
@@ -26,14 +26,12 @@ import onnx_ir as ir
 from surgery.errors import SurgeryError
 from surgery.files import metadata
 from surgery.files.metadata import tag
-from surgery.model import nbits, nodes
 from surgery.model.blocks import BlockMap, branch_nodes
 from surgery.model.layers import checked
-from surgery.model.nodes import Emitter, values_by_name
 from surgery.model.subject import Subject
-from surgery.passes import projection
-from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
-from surgery.passes.driver import rewrite
+from surgery.passes import fold, projection
+from surgery.passes.common import Board, Change, Pass, SurgeryResult, node_name, register
+from surgery.passes.driver import apply_pass
 from surgery.passes.fix import Fix
 
 NAME = "compensate"
@@ -69,25 +67,43 @@ class Compensate(Pass):
 
     def apply(self, subject, block: BlockMap, args: Compensation) -> Change:
         g, values, fix, layer = subject.graph, subject.values, args.fixes[block.layer], block.layer
-        attn, mlp = projection.outputs(values, block, NAME)
-        (w_o, b_o), (w_down, b_down) = fix.fold(attn, mlp)
-        projection.set_weights(g, attn, *projection.rounded(attn, w_o, b_o, fix.packed[0]), node_name(NAME, layer, "o_proj"))
-        out = projection.set_weights(g, mlp, *projection.rounded(mlp, w_down, b_down, fix.packed[1]), node_name(NAME, layer, "down_proj"))
-        for node in {attn.node, mlp.node, out.producer()}:  # rewired ones too: the driver tags only new nodes
+        outputs = projection.outputs(values, block, NAME)
+        inputs = _input_side(subject.model, block, values) if fix.fixes_input else []  # block: parallel now, ln2 reads resid_pre
+        o_proj, down_proj, *mlp_in = fold.folded(fix, outputs, inputs)
+        fold.set_weights(g, o_proj, node_name(NAME, layer, o_proj.what))  # no new node: b_o exists only where W_o had a bias
+        out = fold.set_weights(g, down_proj, node_name(NAME, layer, down_proj.what))
+        for node in {o_proj.projection.node, down_proj.projection.node, out.producer()}:  # rewired ones too: the driver tags only new nodes
             tag(node, NAME, layer)
-        mlp.node.metadata_props[metadata.FIX] = fix.describe()
-        where = "W_o and W_down"
-        if fix.fixes_input:
-            for i, p in enumerate(_input_side(subject.model, block, values)):  # block: parallel now, ln2 reads resid_pre
-                weights = projection.rounded(p, *fix.fold_input(p), fix.input_codes(i))
-                out = projection.set_weights(g, p, *weights, node_name(NAME, layer, f"mlp_in.{i}"))
-                for node in {p.node, out.producer()}:
-                    tag(node, NAME, layer)
-            where = "W_o, W_down and the mlp's input projections"
+        down_proj.projection.node.metadata_props[metadata.FIX] = fix.describe()
+        for side in mlp_in:
+            out = fold.set_weights(g, side, node_name(NAME, layer, side.what))
+            for node in {side.projection.node, out.producer()}:
+                tag(node, NAME, layer)
+        where = "W_o, W_down and the mlp's input projections" if mlp_in else "W_o and W_down"
         return Change(layer, f"parallel, {fix.describe()}: fix folded into {where}")
 
-    def switch(self, board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
-        _switch(board, block, on, args)
+    def switch(self, board: Board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
+        """The block gets args.fixes[layer] while `on` (switch parallelize on too for the compensated parallel block):
+        W_o, W_down and their biases, and with an input side the mlp's input projections, compute with the weights
+        `compensate` writes; with args.after_branch the output side is added after the branch instead,
+        attn_out w_a + mlp_out w_p + b, so what reads attn_out and mlp_out sees them unfixed, and the input side is
+        computed by explicit ops that the mlp's input projections read while on (a fit tap may read u itself)."""
+        fix = args.fixes.get(block.layer)
+        if fix is None or block.is_parallel:
+            return
+        inputs: list[projection.Projection] = []
+        if fix.fixes_input:
+            found = board.mlp_inputs(block)
+            if isinstance(found, str):
+                raise _no_input_side(block, found)
+            u, inputs, readers = found
+        if not args.after_branch:
+            board.switch_weights(fold.folded(fix, projection.outputs(board.values, block, NAME), inputs), on)
+            return
+        if inputs:
+            e = board.emitter(f"{board.prefix}/mlp_in")
+            board.redirect(u, e.op("Where", [on, board.input_fixed(e, u, fix), u], "chosen"), readers)
+        board.add_after_branch(block, fix, on)
 
     def options(self, args: Compensation, layers) -> dict:
         return {"fixes": {str(layer): args.fixes[layer].describe() for layer in layers}}
@@ -126,42 +142,28 @@ def compensate(model: "ir.Model | Subject", fixes: Mapping[int, Fix]) -> Surgery
     """
     subject = Subject.of(model)
     fixes = {checked(layer, subject.n_layers): fix for layer, fix in fixes.items()}
-    return rewrite(subject, COMPENSATE, fixes, Compensation(fixes))
+    return apply_pass(subject, COMPENSATE, fixes, Compensation(fixes))
 
 
 def _input_side(model: ir.Model, block: BlockMap, values: dict[str, ir.Value]) -> list[projection.Projection]:
     """The mlp input projections an input fix folds into; SurgeryError naming the block when there are none to fold into."""
-    found = projection.mlp_inputs(model, values, block)
+    found = fold.input_projections(model, values, block)
     if isinstance(found, str):
-        raise SurgeryError(f"cannot fold the mlp input side of block {block.layer}'s fix: {found}")
+        raise _no_input_side(block, found)
     return found[1]
 
 
-def input_fixed(board, e: Emitter, u: ir.Value, fix: Fix) -> ir.Value:
-    """u (I + w_in) + b_in as explicit ops (emitted through `e`): the input side of `fix` where a graph must keep u
-    itself, because a fit tap reads it."""
-    fixed = u
-    if fix.w_in is not None:
-        w = board.weight(e.name("w_in"), np.asarray(fix.w_in, board.dtype))
-        fixed = e.op("Add", [u, e.op("MatMul", [u, w], "times_w_in")], "plus_w_in")
-    if fix.b_in is not None:
-        fixed = e.op("Add", [fixed, board.weight(e.name("b_in"), np.asarray(fix.b_in, board.dtype))], "plus_b_in")
-    return fixed
-
-
-def redirect_readers(u: ir.Value, new: ir.Value, readers: set[ir.Node]) -> None:
-    """The nodes in `readers` that read u read `new` instead."""
-    for user, i in list(u.uses()):
-        if user in readers:
-            user.replace_input_with(i, new)
+def _no_input_side(block: BlockMap, why: str) -> SurgeryError:
+    """The error of a fix whose input side has no mlp input projections to fold into (`why`: fold.input_projections')."""
+    return SurgeryError(f"cannot fold the mlp input side of block {block.layer}'s fix: {why}")
 
 
 def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> str | None:
     """Why `block` cannot be compensated (fused, or parallel as exported), or None."""
     if block.fused:
         return f"cannot compensate block {block.layer}: it is fused; use `parallelize --fuse --compensate` on the original model"
-    why = projection.folding_refusal(model, block, "compensate", "a fix of attn_out and mlp_out cannot be folded into W_o and W_down; "
-                                     "parallelize it plain with --no-compensate")
+    why = fold.refusal(model, block, "compensate", "a fix of attn_out and mlp_out cannot be folded into W_o and W_down; "
+                       "parallelize it plain with --no-compensate")
     if why is not None:
         return why
     if block.is_parallel and not any(metadata.made_by(n) == metadata.PARALLELIZE for n in branch_nodes(model, block, "mlp", values)):
@@ -170,110 +172,3 @@ def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None
             "sequential-to-parallel defect to fix; use `ablate --mode scale` to rescale a branch"
         )
     return None
-
-
-def mlp_inputs(board, block: BlockMap) -> tuple[ir.Value, list, set[ir.Node]] | str:
-    """projection.mlp_inputs of the block in a switchboard: ln2's output u, the projections reading it and the nodes
-    reading u (or why there are no projections to fold into); found through the model as given and remembered from
-    the first call: the parallelize switch moves what ln2 reads, and a fit tap may read u later."""
-
-    def find():
-        found = projection.mlp_inputs(board.before, board.shared("before_values", lambda: values_by_name(board.before)), block)
-        if isinstance(found, str):
-            return found
-        u = board.values[found[0].name]
-        return u, projection.reading(u, block.layer), {user for user, _ in u.uses()}
-
-    return board.shared(("mlp_inputs", block.layer), find)
-
-
-def _switch(board, block: BlockMap, on: ir.Value, args: Compensation) -> None:
-    """In a switchboard: the block gets args.fixes[layer] while `on` (switch parallelize on too for the compensated
-    parallel block). W_o, W_down and their biases, and with an input side the mlp's input projections, become
-    Where(on, folded, original), folded as `compensate` writes them; with args.after_branch the output side is added
-    after the branch instead, attn_out w_a + mlp_out w_p + b, so what reads attn_out and mlp_out sees them unfixed,
-    and the input side computed by explicit ops that the mlp's input projections read while on."""
-    fix, prefix = args.fixes.get(block.layer), board.prefix
-    if fix is None or block.is_parallel:
-        return
-    inputs = []
-    if fix.fixes_input:
-        found = mlp_inputs(board, block)
-        if isinstance(found, str):
-            raise SurgeryError(f"cannot fold the mlp input side of block {block.layer}'s fix: {found}")
-        u, inputs, readers = found
-    if args.after_branch:
-        if inputs:  # the own branch's mlp reads the fixed input while on; a tap may read u itself
-            e = board.emitter(f"{prefix}/mlp_in")
-            redirect_readers(u, e.op("Where", [on, input_fixed(board, e, u, fix), u], "chosen"), readers)
-        built: list[ir.Node] = []
-        fixed = _fix_added(board, Emitter(prefix, nodes=built), board.output(block, "mlp"), block, fix, prefix)
-        board.choose(block, "mlp", on, built, fixed, f"{prefix}/chosen", lazy=False)
-        return
-    attn, mlp = projection.outputs(board.values, block, NAME)
-    sides = list(zip((attn, mlp), fix.fold(attn, mlp), fix.packed, ("o_proj", "down_proj")))
-    sides += [(p, fix.fold_input(p), fix.input_codes(i), f"mlp_in.{i}") for i, p in enumerate(inputs)]
-    switch_weights(board, sides, on, prefix)
-
-
-def switch_weights(board, sides: list, on: ir.Value, prefix: str) -> None:
-    """Each (projection, (weight, bias), codes, name) of `sides` computes with that weight and bias (rounded as
-    compensate writes them; MatMulNBits: `codes`, else rounded to nearest) while `on`, and as before otherwise; new
-    nodes and weights are named under `prefix`."""
-    e = board.emitter(prefix)
-    for p, (w, b), packed, what in sides:
-        w, b = projection.rounded(p, w, b, packed)
-        stored = board.weight(f"{prefix}/{what}/weight", w.T if p.transposed else w)
-        bias = None if b is None else board.weight(f"{prefix}/{what}/bias", b)
-        inner = p.unscaled  # where a bias the projection did not have is added
-        if p.quant is not None:  # a second MatMulNBits: ORT computes one whose codes are not a constant differently
-            chosen = _quantized_switch(board, p, on, stored, bias, f"{prefix}/{what}")
-            inner = chosen if inner is p.node.outputs[0] else inner
-            if p.bias_site == (p.node, nbits.BIAS):
-                continue
-        else:
-            p.node.replace_input_with(1, e.op("Where", [on, stored, p.node.inputs[1]], f"{what}/weight_on"))
-        if b is None:
-            continue
-        if p.bias_site is not None:
-            node, i = p.bias_site
-            node.replace_input_with(i, e.op("Where", [on, bias, node.inputs[i]], f"{what}/bias_on"))
-            continue
-        zeros = board.weight(f"{prefix}/{what}/no_bias", np.zeros(len(b), b.dtype))
-        uses = list(inner.uses())
-        added = e.op("Add", [inner, e.op("Where", [on, bias, zeros], f"{what}/bias_on")], f"{what}/out")
-        for user, i in uses:
-            user.replace_input_with(i, added)
-
-
-def _quantized_switch(board, p: projection.Projection, on: ir.Value, codes: ir.Value, bias: ir.Value | None, prefix: str) -> ir.Value:
-    """What read p.node's output reads, while `on`, the output of a copy of it with `codes` (and `bias`, when the
-    node holds its bias), computed inside an If only then; returns the If's output."""
-    inputs = list(p.node.inputs)
-    inputs[nbits.B] = codes
-    if bias is not None and p.bias_site == (p.node, nbits.BIAS):
-        inputs[nbits.BIAS] = bias
-    copy = nodes.copy(p.node, inputs, prefix)
-    out = p.node.outputs[0]
-    uses = list(out.uses())
-    chosen = nodes.if_else(on, ([copy], copy.outputs[0]), out, f"{prefix}/chosen")
-    board.graph.append(chosen)
-    for user, i in uses:
-        user.replace_input_with(i, chosen.outputs[0])
-    return chosen.outputs[0]
-
-
-def _fix_added(board, e: Emitter, current: ir.Value, block: BlockMap, fix: Fix, prefix: str) -> ir.Value:
-    """current + attn_out w_a + mlp_out w_p + b (terms that are None left out)."""
-    attn_out, mlp_out, dtype = board.values[block.attn_out], board.values[block.mlp_out], board.dtype
-    total = current
-    if fix.w_a is not None:
-        w = board.weight(f"{prefix}/w_a", np.asarray(fix.w_a, dtype))
-        total = e.op("Add", [total, e.op("MatMul", [attn_out, w], "attn_fix")], "plus_attn_fix")
-    if fix.w_p is not None:
-        w = board.weight(f"{prefix}/w_p", np.asarray(fix.w_p, dtype))
-        total = e.op("Add", [total, e.op("Mul" if np.ndim(fix.w_p) == 0 else "MatMul", [mlp_out, w], "mlp_fix")], "plus_mlp_fix")
-    if fix.b is not None:
-        total = e.op("Add", [total, board.weight(f"{prefix}/b", np.asarray(fix.b, dtype))], "plus_b")
-    return total
-

@@ -1,4 +1,4 @@
-"""The one driver every pass runs through: rewrite(model, pass, layers, args) -> SurgeryResult.
+"""The one driver every pass runs through: apply_pass(model, pass, layers, args) -> SurgeryResult.
 
 It clones the model (weights are shared, not copied), checks the layers and every refusal before any work, and for
 each chosen block in order applies the passes the pass names in `before` and then the pass itself: a block that has
@@ -23,7 +23,7 @@ from surgery.model.subject import Subject
 from surgery.passes.common import PASSES, Change, Pass, SurgeryResult, check_layers, record
 
 
-def rewrite(model: "ir.Model | Subject", p: Pass | str, layers: Collection[int], args: Any = None) -> SurgeryResult:
+def apply_pass(model: "ir.Model | Subject", p: Pass | str, layers: Collection[int], args: Any = None) -> SurgeryResult:
     """Apply pass `p` (or its name) with `args` to the blocks `layers` (negative ones count from the end) of a copy of
     `model`; the input is not modified. Exported as `surgery.apply_pass`.
 

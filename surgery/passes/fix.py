@@ -1,16 +1,13 @@
-"""Fix: a linear fix of a parallel block's defect, as the compensate and fuse passes fold it into the weights."""
+"""Fix: a linear fix of a parallel block's defect, which the compensate and fuse passes fold into the weights
+(surgery.passes.fold)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from surgery.files.checkpoint import checkpointable
-
-if TYPE_CHECKING:
-    from surgery.passes.projection import Projection
 
 
 @checkpointable
@@ -35,7 +32,7 @@ class Fix:
             them, chosen error-aware by the fit (surgery.model.nbits); None: a fold rounds them to nearest.
         w_in: [d_model, d_model] array of the input side: the mlp reads u (I + w_in) + b_in; None means 0.
         b_in: [d_model] array of the input side; None means 0.
-        packed_in: for MatMulNBits mlp input projections, the codes of (I + w_in) W of each (in projection.mlp_inputs'
+        packed_in: for MatMulNBits mlp input projections, the codes of (I + w_in) W of each (in fold.input_projections'
             order), chosen error-aware by the fit; () or None for one: a fold rounds it to nearest.
     """
 
@@ -70,37 +67,6 @@ class Fix:
         """The fix changes what the mlp reads (w_in or b_in given)."""
         return self.w_in is not None or self.b_in is not None
 
-    def fold(self, attn: "Projection", mlp: "Projection") -> tuple[tuple[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray | None]]:
-        """(W_o (I + w_a), b_o (I + w_a)), (W_down (I + w_p), b_down (I + w_p) + b / c), float64; a missing bias stays None
-        (b_down' is b / c alone when the mlp had no bias). c is mlp_out's scale (a residual multiplier, else 1): the
-        fix acts on the scaled outputs, c (h W_down + b_down) (I + w_p) + b = c (h W_down' + b_down'), and the
-        weights stay inside the scale."""
-
-        def times(x, w):
-            return None if x is None else _times_one_plus(x, w)
-
-        b_down = times(mlp.bias, self.w_p)
-        if self.b is not None:
-            b = np.asarray(self.b, np.float64) / mlp.scale
-            b_down = b if b_down is None else b_down + b
-        return (times(attn.weight, self.w_a), times(attn.bias, self.w_a)), (times(mlp.weight, self.w_p), b_down)
-
-    def input_codes(self, i: int) -> np.ndarray | None:
-        """The chosen codes of the i-th mlp input projection (packed_in), or None: rounded to nearest."""
-        return self.packed_in[i] if i < len(self.packed_in) else None
-
-    def fold_input(self, p: "Projection") -> tuple[np.ndarray, np.ndarray | None]:
-        """One of the mlp's input projections with the input side folded in, float64: ((I + w_in) W, b + b_in W); a
-        missing bias stays None when b_in is None."""
-        weight = p.weight.astype(np.float64)
-        bias = None if p.bias is None else p.bias.astype(np.float64)
-        if self.b_in is not None:
-            shift = np.asarray(self.b_in, np.float64) @ weight
-            bias = shift if bias is None else bias + shift
-        if self.w_in is not None:
-            weight = weight + np.asarray(self.w_in, np.float64) @ weight
-        return weight, bias
-
     def apply(self, attn_out: np.ndarray, mlp_out: np.ndarray) -> np.ndarray:
         """What the fix adds to the residual stream: attn_out w_a + mlp_out w_p + b (the output side only).
 
@@ -127,11 +93,3 @@ class Fix:
             return f"calibrated x{1.0 + float(self.w_p or 0.0):.4f}"
         return "compensated"
 
-
-def _times_one_plus(x: np.ndarray, w: np.ndarray | float | None) -> np.ndarray:
-    x = np.asarray(x, np.float64)
-    if w is None:
-        return x
-    if np.isscalar(w):
-        return x * (1.0 + float(w))
-    return x + x @ np.asarray(w, np.float64)

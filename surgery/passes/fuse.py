@@ -8,8 +8,9 @@
 Each ln's scale g (and LayerNorm bias b: b @ W) is folded into the weights, so the function equals
 parallel(l) up to float error. Attention internals (heads, rotary, KV cache, mask) are untouched:
 only the projections that read ln1 / ln2 and the two output projections are replaced. On MatMulNBits
-weights nothing is requantized (_fuse_nbits_block): the ln scales stay Muls, and the projections reading
-each ln become one MatMulNBits, [o ; down] another.
+weights nothing is requantized (_nbits_in, _nbits_out) unless a fix is folded in: the ln scales stay Muls, and the
+projections reading each ln become one MatMulNBits, [o ; down] another. A fix is folded by surgery.passes.fold,
+as compensate folds it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from surgery.files.metadata import tag
 from surgery.model import nbits, nodes
 from surgery.model.blocks import BlockMap, block_norms, branch_nodes
 from surgery.model.nodes import Emitter, values_by_name
-from surgery.passes import projection
+from surgery.passes import fold, projection
 from surgery.passes.common import Change, Pass, SurgeryResult, narrower_than_float32, node_name, register
-from surgery.passes.driver import rewrite
+from surgery.passes.driver import apply_pass
 from surgery.passes.fix import Fix
 
 NAME = metadata.FUSE  # find_blocks tells a fused block by it
@@ -101,15 +102,15 @@ def fuse(model, layers: Collection[int], fixes: Mapping[int, Fix] | None = None)
             are normalised, MatMulNBits weights it cannot join without requantizing); while rewriting, a fix with an
             mlp input side on a MatMulNBits block.
     """
-    return rewrite(model, FUSE, layers, Fusion(dict(fixes or {})))
+    return apply_pass(model, FUSE, layers, Fusion(dict(fixes or {})))
 
 
 def refusal(model: ir.Model, block: BlockMap, values: dict[str, ir.Value] | None = None) -> str | None:
     """Why `block` cannot be fused, or None; read from the graph before any work (no weight is loaded)."""
     if block.fused:
         return None  # fuse says it is already fused
-    why = projection.folding_refusal(model, block, "fuse", "attn_out and mlp_out cannot come from one [o ; down] MatMul; "
-                                     "parallelize it without --fuse")
+    why = fold.refusal(model, block, "fuse", "attn_out and mlp_out cannot come from one [o ; down] MatMul; "
+                       "parallelize it without --fuse")
     if why is not None:
         return why
     values = values if values is not None else values_by_name(model)
@@ -173,116 +174,118 @@ def _nbits_refusal(block: BlockMap, values: dict[str, ir.Value], ln1, ln2) -> st
 
 
 def _fuse_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
-    if _quantized(model, block, values):
-        return _fuse_nbits_block(model, block, values, fix)
+    """Replace the block's two normalisations, its projections and its residual adds by the fused form (module
+    docstring): one normalisation of resid_pre, the in-projection (`_float_in` or `_nbits_in`), the out-projection
+    [o ; down] (`_float_out` or `_nbits_out`) with the fix's output side folded in, and its bias; new nodes tagged."""
     g, layer = model.graph, block.layer
     ln1, ln2 = block_norms(model, block, values)
+    quantized = _quantized(model, block, values)
+    if quantized and fix.fixes_input:  # folded into W_gate / W_up (their codes chosen again, as compensate does) before they are joined
+        for side in fold.folded(fix, inputs=projection.reading(values[ln2.output], layer)):
+            fold.set_weights(g, side, node_name(NAME, layer, side.what))
     x = values[block.resid_pre]
-
-    inputs = []  # (projection, ln) in the order their outputs are concatenated
     for ln in (ln1, ln2):
-        out = values[ln.output]
-        for user, index in list(out.uses()):
+        for user, index in list(values[ln.output].uses()):
             if user.op_type == "Shape":  # shape arithmetic: the ln output has resid_pre's shape
                 user.replace_input_with(index, x)
-        inputs += [(p, ln) for p in projection.reading(out, layer)]
     attn_out, mlp_out = projection.outputs(values, block)
-
-    def fold(p: projection.Projection, ln) -> tuple[np.ndarray, np.ndarray]:
-        scale = values[ln.scale].const_value.numpy().astype(np.float64)
-        weight, bias = fix.fold_input(p) if ln is ln2 else (p.weight.astype(np.float64), p.bias)  # the fix's input side first
-        bias = np.zeros(weight.shape[1]) if bias is None else bias.astype(np.float64)
-        if ln.bias is not None:
-            bias = bias + values[ln.bias].const_value.numpy().astype(np.float64) @ weight
-        return scale[:, None] * weight, bias
-
-    # Folded in float64 and rounded once to the weights' own type (the graph's: fp16 stays fp16).
-    np_dtype = np.result_type(*(p.weight for p, _ in inputs))
-    folded = [fold(p, ln) for p, ln in inputs]
-    w_in = np.concatenate([w for w, _ in folded], axis=1).astype(np_dtype)
-    b_in = np.concatenate([b for _, b in folded]).astype(np_dtype)
-    (w_o, b_o), (w_down, b_down) = fix.fold(attn_out, mlp_out)
-    scaled = lambda x, p: None if x is None else x * p.scale  # noqa: E731  a residual multiplier goes into the fused weights
-    w_o, b_o, w_down, b_down = scaled(w_o, attn_out), scaled(b_o, attn_out), scaled(w_down, mlp_out), scaled(b_down, mlp_out)
-    out_dtype = np.result_type(attn_out.weight, mlp_out.weight)
-    w_out = np.concatenate([w_o, w_down], axis=0).astype(out_dtype)
-    b_out = sum((b for b in (b_o, b_down) if b is not None), np.zeros(w_out.shape[1])).astype(out_dtype)
+    inputs = [] if quantized else [(p, ln) for ln in (ln1, ln2) for p in projection.reading(values[ln.output], layer)]
+    # the type of the new weights and of the norm's constants: the graph's (fp16 stays fp16)
+    dtype = attn_out.quant.dtype if quantized else np.result_type(*(p.weight for p, _ in inputs))
 
     built: list[ir.Node] = []
     e = Emitter(node_name(NAME, layer, "").rstrip("/"), nodes=built)
-    op = e.op
     const = lambda what, array: nodes.initializer(g, e.name(what), array)  # noqa: E731  weights-sized: initializers
-
-    d_model = int(values[ln1.scale].shape[0])
-    n = _normalize(op, const, x, ln1, d_model, np_dtype)  # [batch, pos, d_model]
-    projected = op("MatMul", [n, const("w_in", w_in)], "in_proj")
-    if np.any(b_in):
-        projected = op("Add", [projected, const("b_in", b_in)], "in_proj_bias")
-    sizes = const("split_sizes", np.array([p.weight.shape[1] for p, _ in inputs], dtype=np.int64))
-    pieces = op("Split", [projected, sizes], "split", num_outputs=len(inputs), axis=-1)
-    pieces = pieces if isinstance(pieces, (list, tuple)) else [pieces]
-    for (p, _), piece in zip(inputs, pieces):
-        p.output.replace_all_uses_with(piece)
-    hidden = op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1)
-    both = op("MatMul", [hidden, const("w_out", w_out)], "out_proj")
+    n = _normalize(e.op, const, x, ln1, int(values[ln1.scale].shape[0]), dtype)  # [batch, pos, d_model]
+    if quantized:
+        _nbits_in(g, e, const, n, (ln1, ln2), values)
+    else:
+        _float_in(e, const, n, inputs, fix, ln2, values, dtype)
+    hidden = e.op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1)  # [batch, pos, d_attn + d_mlp]
+    both, b_out = (_nbits_out if quantized else _float_out)(e, const, hidden, attn_out, mlp_out, fix)
     if not fix.is_identity:
-        built[-1].metadata_props[metadata.FIX] = fix.describe()
-    if np.any(b_out):
-        both = op("Add", [both, const("b_out", b_out)], "out_proj_bias")
-    post = op("Add", [x, both], "resid_post")
+        both.producer().metadata_props[metadata.FIX] = fix.describe()
+    if b_out is not None:
+        both = e.op("Add", [both, const("b_out", b_out)], "out_proj_bias")
+    post = e.op("Add", [x, both], "resid_post")
     for node in built:
         tag(node, NAME, layer)
     g.extend(built)
     values[block.resid_post].replace_all_uses_with(post, replace_graph_outputs=True)
 
 
-def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Value], fix: Fix) -> None:
-    """The fused form on MatMulNBits weights, without requantizing an unfixed weight: an ln scale varies along K
-    inside a quantization block, so it cannot go into the codes or the scales, and each ln's scale stays a Mul of
-    the one normalisation. So [q|k|v] and [gate|up] are one MatMulNBits each (rows, scales and zero points
-    concatenated along N; a GenAI qkv_proj is one already), and [o ; down] one along K, its blocks concatenated
-    (a residual multiplier goes into its scales)."""
-    g, layer = model.graph, block.layer
-    ln1, ln2 = block_norms(model, block, values)
-    if fix.fixes_input:  # folded into W_gate / W_up (their codes chosen again, as compensate does) before they are joined
-        for i, p in enumerate(projection.reading(values[ln2.output], layer)):
-            projection.set_weights(g, p, *projection.rounded(p, *fix.fold_input(p), fix.input_codes(i)), node_name(NAME, layer, f"mlp_in.{i}"))
-    x = values[block.resid_pre]
-    attn_out, mlp_out = projection.outputs(values, block)
-    built: list[ir.Node] = []
-    e = Emitter(node_name(NAME, layer, "").rstrip("/"), nodes=built)
-    op = e.op
-    const = lambda what, array: nodes.initializer(g, e.name(what), array)  # noqa: E731
-    dtype = attn_out.quant.dtype
-    d_model = int(values[ln1.scale].shape[0])
-    n = _normalize(op, const, x, ln1, d_model, dtype)
-    for which, ln in (("ln1", ln1), ("ln2", ln2)):
-        out = values[ln.output]
-        for user, index in list(out.uses()):
-            if user.op_type == "Shape":
-                user.replace_input_with(index, x)
-        scaled = op("Mul", [n, values[ln.scale]], f"{which}_scale")
+def _float_in(e: Emitter, const, n: ir.Value, inputs: list, fix: Fix, ln2, values: dict[str, ir.Value], dtype) -> None:
+    """What read ln1 and ln2 reads pieces of one MatMul of the norm n, [q | k | v | gate | up]: each ln's scale
+    (and LayerNorm bias: b @ W) folded into the weights of the projections reading it, and the fix's input side into
+    those reading ln2 first; folded in float64, rounded once to `dtype`."""
+    array = lambda name: values[name].const_value.numpy().astype(np.float64)  # noqa: E731  an ln scale or bias
+
+    def scaled_by(ln, p: projection.Projection) -> tuple[np.ndarray, np.ndarray]:
+        """p's weight [in, out] and bias [out] as p would read ln's scale and bias."""
+        weight, bias = fold.input_weights(fix, p) if ln is ln2 else (p.weight.astype(np.float64), p.bias)  # the fix's input side first
+        bias = np.zeros(weight.shape[1]) if bias is None else bias.astype(np.float64)
         if ln.bias is not None:
-            scaled = op("Add", [scaled, values[ln.bias]], f"{which}_bias")
-        readers = [u for u, _ in _readers(out)]
+            bias = bias + array(ln.bias) @ weight
+        return array(ln.scale)[:, None] * weight, bias
+
+    weights = [scaled_by(ln, p) for p, ln in inputs]
+    w_in = np.concatenate([w for w, _ in weights], axis=1).astype(dtype)
+    b_in = np.concatenate([b for _, b in weights]).astype(dtype)
+    projected = e.op("MatMul", [n, const("w_in", w_in)], "in_proj")
+    if np.any(b_in):
+        projected = e.op("Add", [projected, const("b_in", b_in)], "in_proj_bias")
+    sizes = const("split_sizes", np.array([p.weight.shape[1] for p, _ in inputs], dtype=np.int64))
+    pieces = e.op("Split", [projected, sizes], "split", num_outputs=len(inputs), axis=-1)
+    pieces = pieces if isinstance(pieces, (list, tuple)) else [pieces]
+    for (p, _), piece in zip(inputs, pieces):
+        p.output.replace_all_uses_with(piece)
+
+
+def _nbits_in(g: ir.Graph, e: Emitter, const, n: ir.Value, lns: tuple, values: dict[str, ir.Value]) -> None:
+    """What read each ln reads the norm n times its scale (plus its bias), through one MatMulNBits of the projections
+    reading it, [q|k|v] and [gate|up] (rows, scales and zero points concatenated along N; a GenAI qkv_proj is one
+    already): without requantizing, as an ln scale varies along K inside a quantization block."""
+    for which, ln in zip(("ln1", "ln2"), lns):
+        scaled = e.op("Mul", [n, values[ln.scale]], f"{which}_scale")
+        if ln.bias is not None:
+            scaled = e.op("Add", [scaled, values[ln.bias]], f"{which}_bias")
+        readers = [u for u, _ in _readers(values[ln.output])]
         if len(readers) == 1:  # one projection already (GenAI's qkv_proj): it reads the scaled norm as it is
             readers[0].replace_input_with(0, scaled)
             continue
         one = _concatenated(g, readers, scaled, e.name(f"{which}_proj"))
-        built.append(one)
+        e.nodes.append(one)
         sizes = const(f"{which}_split_sizes", np.array([u.attributes["N"].value for u in readers], dtype=np.int64))
-        pieces = op("Split", [one.outputs[0], sizes], f"{which}_split", num_outputs=len(readers), axis=-1)
+        pieces = e.op("Split", [one.outputs[0], sizes], f"{which}_split", num_outputs=len(readers), axis=-1)
         for reader, piece in zip(readers, pieces):
             reader.outputs[0].replace_all_uses_with(piece)
 
-    (w_o, b_o), (w_down, b_down) = fix.fold(attn_out, mlp_out)
-    (codes_o, b_o), (codes_down, b_down) = (projection.rounded(p, w, b, packed) for p, w, b, packed in
-                                            ((attn_out, w_o, b_o, fix.packed[0]), (mlp_out, w_down, b_down, fix.packed[1])))
+
+def _float_out(e: Emitter, const, hidden: ir.Value, attn_out: projection.Projection, mlp_out: projection.Projection, fix: Fix
+               ) -> tuple[ir.Value, np.ndarray | None]:
+    """hidden @ [W_o ; W_down] with the fix folded in, and the summed bias (None where it is 0): the fold in float64,
+    times each output's scale (a residual multiplier goes into the fused weights), rounded once to the weights' type."""
+    o_proj, down_proj = fold.exact(fix, (attn_out, mlp_out))
+    scaled = lambda x, p: None if x is None else x * p.scale  # noqa: E731
+    w_o, b_o = scaled(o_proj.weight, attn_out), scaled(o_proj.bias, attn_out)
+    w_down, b_down = scaled(down_proj.weight, mlp_out), scaled(down_proj.bias, mlp_out)
+    dtype = np.result_type(attn_out.weight, mlp_out.weight)
+    w_out = np.concatenate([w_o, w_down], axis=0).astype(dtype)
+    b_out = sum((b for b in (b_o, b_down) if b is not None), np.zeros(w_out.shape[1])).astype(dtype)
+    return e.op("MatMul", [hidden, const("w_out", w_out)], "out_proj"), b_out if np.any(b_out) else None
+
+
+def _nbits_out(e: Emitter, const, hidden: ir.Value, attn_out: projection.Projection, mlp_out: projection.Projection, fix: Fix
+               ) -> tuple[ir.Value, np.ndarray | None]:
+    """hidden @ [W_o ; W_down] as one MatMulNBits along K, its blocks concatenated (the fix's codes where one is
+    folded in, else each node's own), and the summed bias (None where it is 0); a residual multiplier goes into the
+    scales."""
+    o_proj, down_proj = fold.folded(fix, (attn_out, mlp_out))  # codes on each node's own scales
     qo, qd = attn_out.quant, mlp_out.quant
-    scales = np.concatenate([qo.scales * attn_out.scale, qd.scales * mlp_out.scale], axis=1).astype(dtype)
+    scales = np.concatenate([qo.scales * attn_out.scale, qd.scales * mlp_out.scale], axis=1).astype(qo.dtype)
     inputs: list[ir.Value | None] = [
-        op("Concat", [attn_out.input, mlp_out.input], "out_proj_input", axis=-1),
-        const("w_out", np.concatenate([codes_o, codes_down], axis=1)),
+        hidden,
+        const("w_out", np.concatenate([o_proj.weight, down_proj.weight], axis=1)),
         const("w_out_scales", nbits.stored_scales(attn_out.node, scales)),
     ]
     if any(nbits.optional(p.node, nbits.ZERO_POINTS) is not None for p in (attn_out, mlp_out)):
@@ -290,18 +293,9 @@ def _fuse_nbits_block(model: ir.Model, block: BlockMap, values: dict[str, ir.Val
         inputs.append(const("w_out_zero_points", nbits.pack(zeros, qo.bits).reshape(-1)))
     one = nodes.copy(attn_out.node, inputs, e.name("out_proj"))
     one.attributes["K"] = ir.AttrInt64("K", qo.k + qd.k)
-    built.append(one)
-    both = one.outputs[0]
-    if not fix.is_identity:
-        one.metadata_props[metadata.FIX] = fix.describe()
-    b_out = sum((b.astype(np.float64) * p.scale for b, p in ((b_o, attn_out), (b_down, mlp_out)) if b is not None), np.zeros(qo.n))
-    if np.any(b_out):
-        both = op("Add", [both, const("b_out", b_out.astype(dtype))], "out_proj_bias")
-    post = op("Add", [x, both], "resid_post")
-    for node in built:
-        tag(node, NAME, layer)
-    g.extend(built)
-    values[block.resid_post].replace_all_uses_with(post, replace_graph_outputs=True)
+    e.nodes.append(one)
+    b_out = sum((s.bias.astype(np.float64) * s.projection.scale for s in (o_proj, down_proj) if s.bias is not None), np.zeros(qo.n))
+    return one.outputs[0], b_out.astype(qo.dtype) if np.any(b_out) else None
 
 
 def _concatenated(g: ir.Graph, readers: list[ir.Node], source: ir.Value, name: str) -> ir.Node:

@@ -11,8 +11,8 @@ from surgery.errors import SurgeryError
 from surgery.files import metadata
 from surgery.files.metadata import tag
 from surgery.model.blocks import BlockMap, branch_nodes
-from surgery.passes.common import Change, Pass, SurgeryResult, node_name, register
-from surgery.passes.driver import rewrite
+from surgery.passes.common import Board, Change, Pass, SurgeryResult, node_name, register
+from surgery.passes.driver import apply_pass
 
 NAME = metadata.PARALLELIZE  # saving splits the sums of the blocks it rewired
 
@@ -35,7 +35,7 @@ class Parallelize(Pass):
         subject.replace(dataclasses.replace(block, resid_mid=None, mlp_in=block.resid_pre))
         return Change(block.layer, "ln2 reads resid_pre")
 
-    def switch(self, board, block: BlockMap, on: ir.Value, args) -> None:
+    def switch(self, board: Board, block: BlockMap, on: ir.Value, args) -> None:
         """ln2 reads resid_pre while `on`, resid_mid while off."""
         if block.is_parallel:
             return
@@ -67,7 +67,7 @@ def parallelize(model, layers: Collection[int]) -> SurgeryResult:
         SurgeryError: a layer out of range (before any work), or a block whose ln2 shares a node with the residual
             add that cannot be copied (a graph shape to report).
     """
-    return rewrite(model, PARALLELIZE, layers)
+    return apply_pass(model, PARALLELIZE, layers)
 
 
 def redirect(graph: ir.Graph, branch: set[ir.Node], old: ir.Value, new: ir.Value, layer: int, pass_name: str = NAME) -> None:

@@ -2,8 +2,7 @@
 MatMulNBits(x, codes, scales) [+ b] (block-quantized weights, surgery.model.nbits); a branch output may scale one by a
 constant before the residual add (Granite's residual_multiplier).
 
-Passes that fold something into a block's weights find them here, and write new weights back as
-new initializers (the old ones, maybe on external data, are never modified).
+Passes that fold something into a block's weights find them here; surgery.passes.fold folds and writes them.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ import numpy as np
 import onnx_ir as ir
 
 from surgery.errors import SurgeryError
-from surgery.model import nbits, nodes
-from surgery.model.blocks import BlockMap, block_norms, branch_nodes
+from surgery.model import nbits
+from surgery.model.blocks import BlockMap
 
 
 @dataclasses.dataclass
@@ -148,20 +147,6 @@ def outputs(values: dict[str, ir.Value], block: BlockMap, why: str = "fuse") -> 
             producing(values[block.mlp_out], block.layer, "mlp_out", why))
 
 
-def mlp_inputs(model: ir.Model, values: dict[str, ir.Value], block: BlockMap) -> tuple[ir.Value, list[Projection]] | str:
-    """The value the mlp's input projections read (ln2's output) and those projections (W_gate and W_up, the GenAI
-    builder's packed gate_up, or W_fc; MatMulNBits ones are requantized when a fix folds into them), the sites an input
-    fix (Fix.w_in, b_in) folds into; or one line saying why there are none to fold into (a graph shape the passes do not read)."""
-    try:
-        source = values[block_norms(model, block, values)[1].output]
-        found = reading(source, block.layer)
-    except SurgeryError as e:
-        return str(e)
-    if not found:
-        return f"block {block.layer}: no projection reads ln2's output {source.name!r}"
-    return source, found
-
-
 def quantized_node(out: ir.Value) -> ir.Node | None:
     """The MatMulNBits node computing a branch output (through a residual multiplier and a bias Add), or None;
     no weight is read."""
@@ -182,66 +167,4 @@ def _scaled(out: ir.Value) -> tuple[ir.Value, float] | None:
         x = node.inputs[1 - i]
         if c is not None and c.size == 1 and x is not None and constant(x) is None and len(x.uses()) == 1:
             return x, float(c.reshape(()))
-    return None
-
-
-def rounded(p: Projection, weight: np.ndarray, bias: np.ndarray | None, packed: np.ndarray | None = None
-            ) -> tuple[np.ndarray, np.ndarray | None]:
-    """A folded (float64) weight and bias for `p` as the graph stores them: rounded once to the type of p's weight,
-    or for MatMulNBits requantized on its own scales (`packed`: the codes already chosen, error-aware; else rounded
-    to nearest) and the bias in its scales' type."""
-    if p.quant is not None:
-        codes = packed if packed is not None else p.quant.packed(p.quant.round(weight))
-        return codes, None if bias is None else bias.astype(p.quant.dtype)
-    dtype = p.weight.dtype
-    return weight.astype(dtype), None if bias is None else bias.astype(dtype)
-
-
-def set_weights(graph: ir.Graph, p: Projection, weight: np.ndarray, bias: np.ndarray | None, name: str) -> ir.Value:
-    """Give projection `p` a new weight [in, out] and bias [out] (new initializers named `name`/...).
-
-    Returns the value that now carries the projection's output: p.output, or a new bias Add when
-    the projection had no bias and `bias` is given (added before a scale, as a bias the projection had: `bias`
-    is inside the scale). Old initializers left unused are dropped.
-    """
-    old = [p.node.inputs[1]] + ([p.bias_site[0].inputs[p.bias_site[1]]] if p.bias_site else [])
-    stored = weight.T if p.transposed else weight
-    p.node.replace_input_with(1, nodes.initializer(graph, f"{name}/weight", stored))
-    out = p.output
-    if bias is not None and p.bias_site is not None:
-        node, index = p.bias_site
-        node.replace_input_with(index, nodes.initializer(graph, f"{name}/bias", bias))
-    elif bias is not None:
-        inner = p.unscaled
-        uses = list(inner.uses())
-        add = ir.node("Add", [inner, nodes.initializer(graph, f"{name}/bias", bias)], name=f"{name}/bias_add")
-        added = add.outputs[0]
-        added.name, added.type, added.shape = f"{name}/out", inner.type, inner.shape
-        for user, index in uses:
-            user.replace_input_with(index, added)
-        graph.insert_after(inner.producer(), [add])
-        out = added if p.linear is None else p.output
-    for value in old:
-        if value is not None and not value.uses() and value.name in graph.initializers:
-            del graph.initializers[value.name]
-    return out
-
-
-def unreadable(model: ir.Model, block: BlockMap, why: str) -> str | None:
-    """One line saying why a pass that folds into the output projections refuses a block whose quantized weights
-    it cannot read as arrays (surgery.model.nbits.refusal), or None; read from the graph alone (no weight is loaded)."""
-    for branch in ("attn", "mlp"):
-        for node in branch_nodes(model, block, branch):
-            if node.op_type == nbits.OP and (reason := nbits.refusal(node)) is not None:
-                return f"cannot {why} block {block.layer}: its projection {node.name!r} is MatMulNBits, and {reason}"
-    return None
-
-
-def folding_refusal(model: ir.Model, block: BlockMap, verb: str, so: str) -> str | None:
-    """Why a pass that folds into a block's projections (`verb`: compensate, fuse) refuses it, or None: its quantized
-    weights cannot be read as arrays, or it normalises its branch outputs (`so`: what that rules out, and what to do)."""
-    if (why := unreadable(model, block, verb)) is not None:
-        return why
-    if block.post_norm:
-        return f"cannot {verb} block {block.layer}: it normalises its branch outputs (Gemma 2 / OLMo 2 style), so {so}"
     return None

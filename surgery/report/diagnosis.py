@@ -3,7 +3,7 @@
 Structure: `write` (the folder) and `summary` (the headline numbers) take diagnose()'s Diagnosis; everything
 below them reads its report.json form (`Diagnosis.to_json()`): `markdown` (the summary, ablation and per-layer
 tables), `_html` (the same page as HTML), `_plots` (one `_plot_<section>` per section that ran, saved by `_save`),
-and the number formatting of surgery.measure.evaluate (`number`, `with_interval`).
+and the number formatting of surgery.report.numbers (`number`, `with_interval`).
 """
 
 from __future__ import annotations
