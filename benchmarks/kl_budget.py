@@ -30,6 +30,7 @@ from surgery.jobs.job import parallel_form
 from surgery.jobs.select import PATIENCE, Budget, SelectionSettings, select_layers
 from surgery.measure import scoring, statistics
 from surgery.model.layers import format_layers
+from surgery.report import numbers
 from surgery.text import data
 
 FITS = {"plain": None, "outputs": "full", "compensated": "full", "refit": "full", "drift": "full"}
@@ -63,7 +64,7 @@ def main() -> None:
             kl, d = statistics.divergence(after), statistics.delta(base, after)
             rows.append({"method": method, "--max-kl": budget, "blocks": len(s.layers), "layers": format_layers(s.layers) or "-",
                          "KL [95 % CI]": str(kl), "KL p99": f"{kl.p99:.3f}", "top-1": f"{100 * kl.top1:.1f} %",
-                         "dNLL [95 % CI]": str(d), "seconds": f"{seconds:.0f}"})
+                         "dNLL [95 % CI]": numbers.dnll(d), "seconds": f"{seconds:.0f}"})
             print(rows[-1], flush=True)
             if budget == max(budgets) and args.png:
                 order = [t.layer for t in s.trials if t.kept]

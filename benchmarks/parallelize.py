@@ -24,6 +24,7 @@ from surgery.jobs.job import parallel_form
 from surgery.jobs.select import Budget, SelectionSettings, select_layers
 from surgery.measure import scoring, statistics, timing
 from surgery.model.layers import format_layers
+from surgery.report import numbers
 from surgery.text import data
 
 FITS = {"plain": None, "calibrated": "gate", "compensated": "full"}
@@ -56,7 +57,7 @@ def main() -> None:
             variants[f"{name} @{budget}"] = (parallel_form(model, s.layers, fixes=s.fixes).model, s, s.layers)
             if fit == "full":
                 variants[f"compensated + fused @{budget}"] = (parallel_form(model, s.layers, fused=True, fixes=s.fixes).model, s, s.layers)
-            print(f"{name} @{budget}: {format_layers(s.layers) or 'none'} ({len(s.layers)}), selection dNLL {s.dnll}, "
+            print(f"{name} @{budget}: {format_layers(s.layers) or 'none'} ({len(s.layers)}), selection dNLL {numbers.dnll(s.dnll)}, "
                   f"{s.forward_passes} selection passes, seconds {s.seconds}", flush=True)
     if args.all_layers:
         from surgery.compensation.fitting import fit as fit_all
@@ -79,7 +80,7 @@ def main() -> None:
             "blocks": str(len(layers)),
             "layers": format_layers(layers) or "-",
             "dNLL selection": "-" if s is None else f"{s.dnll.dnll:+.4f}",
-            "dNLL eval [95 % CI]": "0" if d is None else str(d),
+            "dNLL eval [95 % CI]": "0" if d is None else numbers.dnll(d),
             "est. speedup": f"{times.estimated_speedup(layers):.3f}",
             "prefill x": f"{timed[0].prefill_ms / t.prefill_ms:.3f}",
             "decode x": f"{timed[0].decode_ms / t.decode_ms:.3f}",

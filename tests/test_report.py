@@ -113,3 +113,7 @@ def test_the_summary_says_in_words_when_held_out_windows_read_the_choice_over_it
     assert "selection windows' point estimates" in line and "raise --windows" in line
     below = dataclasses.replace(over, dnll_eval=Delta(0.05, 0.0, 0.1))
     assert set(below.over_budget) == {"kl"}
+    # the numbers read as numbers: a KL and a dNLL each beside its interval (report.numbers formats the statistics)
+    d = outcome.divergence_eval
+    said = dict(summary.lines(over, written, tight, 1))["evaluation"]
+    assert said.startswith(f"KL {d.kl:.4f} [{d.low:.4f}, {d.high:.4f}], top-1 {100 * d.top1:.1f} %, dNLL +0.2500 [+0.2000, +0.3000] (")

@@ -164,3 +164,29 @@ def test_rewritten_genai_folder_generates_like_the_hooked_torch_model(smollm2, g
     assert result.exit_code == 0, result.output
     prompt = Tokenizer.from_file(str(smollm2 / "tokenizer.json")).encode(default_corpus()[:400]).ids[:16]
     assert genai_greedy(tmp_path / "out", prompt, 20) == greedy(reference, prompt, 20, parallel={5, 22, 25})
+
+
+def test_like_onnxruntime_equals_lm_evals_onnxruntime_backend_on_smollm2(genai, tmp_path):
+    """SmolLM2's GenAI fp32 build, the first 100 documents of arc_easy and piqa: with lm-eval's ONNX backends'
+    tokenization (`--like onnxruntime`), every choice's log-likelihood equals lm-eval's `onnxruntime` backend's to 1e-4
+    and every accuracy is equal (lm-eval reads a copy whose KV head size is a number: docs/evaluation.md)."""
+    pytest.importorskip("pyarrow")
+    lm_eval = pytest.importorskip("lm_eval")
+    from graphs.deployed import numeric_kv
+    from surgery.tasks import accuracy, catalog
+    from surgery.tasks.harness import task_files
+    from surgery.tasks.likelihood import Likelihood
+
+    names = ["arc_easy", "piqa"]
+    manager = lm_eval.tasks.TaskManager(include_path=str(task_files(tmp_path / "tasks")), include_defaults=False)
+    theirs = lm_eval.simple_evaluate(model="onnxruntime", model_args=f"pretrained={numeric_kv(genai, tmp_path / 'numeric')},execution_provider=cpu",
+                                     tasks=names, limit=100, task_manager=manager, log_samples=True)
+    likelihood = Likelihood(genai, like="onnxruntime")
+    for name in names:
+        task, items = catalog.TASKS[name], catalog.items(catalog.TASKS[name], 100)
+        samples = sorted(theirs["samples"][name], key=lambda s: int(s["doc_id"]))
+        scored = accuracy.score(likelihood, task, items)
+        for ours, sample in zip(scored.loglikelihoods, samples):
+            np.testing.assert_allclose(ours, [float(r[0]) for r in sample["filtered_resps"]], rtol=1e-6, atol=1e-4, err_msg=name)
+        for metric in task.metrics:
+            assert scored.accuracy(metric) == pytest.approx(theirs["results"][name][f"{metric},none"]), (name, metric)

@@ -208,6 +208,29 @@ def test_lm_evals_onnxruntime_backend_cannot_feed_the_builders_kv_cache_dim(onnx
             lm._forward_logits([1, 2, 3])
 
 
+def test_a_rewritten_genai_folder_runs_in_lm_evals_onnxruntime_genai_backend(onnx_backends, reference, tmp_path):
+    """The main job's output of the GenAI build, as written (its interface and genai_config.json kept): lm-eval's
+    `onnxruntime-genai` backend scores it, and its numbers are surgery's `--like onnxruntime` ones on the same folder."""
+    from lm_eval import simple_evaluate
+
+    folder, _ = onnx_backends
+    _, manager, _, _ = reference
+    out = tmp_path / "auto"
+    job = ["--seq-len", "32", "--fit-windows", "8", "--windows", "4", "--eval-windows", "2", "--no-latency", "--max-kl", "none",
+           "--max-loss-increase", "none"]
+    done = runner.invoke(app, ["parallelize", str(folder), "-o", str(out), *job])
+    assert done.exit_code == 0, done.output
+    names = ["arc_easy", "piqa"]
+    theirs = simple_evaluate(model="onnxruntime-genai", model_args=f"pretrained={out},execution_provider=cpu", tasks=names, limit=LIMIT,
+                             task_manager=manager, log_samples=True)
+    likelihood = Likelihood(out, like="onnxruntime")
+    for name in names:
+        samples = sorted(theirs["samples"][name], key=lambda s: int(s["doc_id"]))
+        for item, sample in zip(catalog.items(catalog.TASKS[name], LIMIT), samples):
+            np.testing.assert_allclose([ll for ll, _ in likelihood(item.pairs)], [float(r[0]) for r in sample["filtered_resps"]],
+                                       rtol=1e-5, atol=1e-4, err_msg=name)
+
+
 def test_the_paired_interval_and_kept():
     first = np.array([1, 0] * 50, bool)
     assert accuracy.paired(first, first) == (0.0, 0.0, 0.0)

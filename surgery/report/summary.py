@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from surgery.model.layers import format_layers
-from surgery.report.numbers import pm, points, share
+from surgery.report.numbers import dnll, kl, pm, points, share
 
 
 def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]:
@@ -29,13 +29,13 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
         name = w["evaluation"]["corpus"].split(" (")[0]
         lines.append(("corpus", f"{name}, text sha256 {digest[:16]} (selection.json: each window set's corpus_digest and ids_digest)"))
     if sel.divergence is not None:
-        lines.append(("selection", f"KL {sel.divergence}, top-1 {100 * sel.divergence.top1:.1f} %, dNLL {sel.dnll} ({w['selection']['tokens']} tokens)"))
+        lines.append(("selection", f"KL {kl(sel.divergence)}, top-1 {100 * sel.divergence.top1:.1f} %, dNLL {dnll(sel.dnll)} ({w['selection']['tokens']} tokens)"))
     if sel.refit:
         r = sel.refit
         lines.append(("refit", f"KL {r['kl_before']['kl']:.4f} -> {r['kl_after']['kl']:.4f}, dNLL {r['dnll_before']['dnll']:+.4f} -> "
                                f"{r['dnll_after']['dnll']:+.4f} on the selection windows: {'kept' if r['kept'] else 'not kept'}"))
     lines += [
-        ("evaluation", f"KL {outcome.divergence_eval}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {outcome.dnll_eval} "
+        ("evaluation", f"KL {kl(outcome.divergence_eval)}, top-1 {100 * outcome.divergence_eval.top1:.1f} %, dNLL {dnll(outcome.dnll_eval)} "
                        f"({outcome.eval_tokens} held-out tokens, base loss {outcome.base_loss_eval:.4f}{_samples(w['evaluation'])}; 95 % intervals, nats)"),
         *([("over budget", _over_budget(outcome))] if outcome.over_budget else []),
         *([("llama.cpp", (f"Same top p {pm(lc, 'Same top p')}, 99.9% KLD {lc['99.9% KLD']:.4f}, RMS Δp {pm(lc, 'RMS Δp')} "
