@@ -18,7 +18,7 @@ def test_the_built_in_text_is_the_pinned_file_read_without_site_packages():
     """The default corpus's text is the packaged file's, whatever is installed: read by a Python that sees no
     site-packages (no NumPy, no dependency), it has the pinned digest."""
     assert corpus.text_digest(corpus.mixed()) == corpus.DIGEST
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from surgery.measure import corpus; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from surgery.text import corpus; "
             "print(corpus.text_digest(corpus.mixed()), len(corpus.mixed()), 'numpy' in sys.modules, any('site-packages' in p for p in sys.path))")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT)], capture_output=True, text=True, check=True).stdout.split()
     assert out == [corpus.DIGEST, str(len(corpus.mixed())), "False", "False"]

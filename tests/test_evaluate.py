@@ -12,6 +12,7 @@ from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.measure import scoring, statistics, timing
 from surgery.passes import ablate
+from surgery.report import numbers
 from surgery.text import data
 
 runner = CliRunner()
@@ -69,7 +70,7 @@ def test_delta_is_a_paired_bootstrap_over_windows():
     shifted = statistics.delta(base, _scored(np.array(base.window_nll) + 0.037 * tokens, tokens))  # +0.037 nats on every token
     for value in (shifted.dnll, shifted.low, shifted.high):
         assert value == pytest.approx(0.037, abs=1e-12)
-    assert str(shifted) == "+0.0370 [+0.0370, +0.0370]" and shifted.to_json()["low"] == shifted.low
+    assert numbers.dnll(shifted) == "+0.0370 [+0.0370, +0.0370]" and shifted.to_json()["low"] == shifted.low
     with pytest.raises(SurgeryError, match="same windows"):
         statistics.delta(base, _scored(base.window_nll, tokens + 1))
 

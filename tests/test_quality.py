@@ -3,6 +3,7 @@ accumulators in NumPy on both graphs' raw logits, and its uncertainty formulas a
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,8 +70,10 @@ def _llama_cpp(nll_base, nll, kld, same_top) -> dict:
 
 def numpy_llama_cpp(first, other, windows) -> dict:
     """llama.cpp's report of `other` against `first` on the scored positions of `windows`, from each graph's raw
-    `logits` (one window per run) with log-softmax in float64 NumPy."""
-    sessions = [runtime.session(m) for m in (first, other)]
+    `logits` (one window per run) with log-softmax in float64 NumPy. The graphs are loaded as the scorer loads them: a
+    file and its loaded view differ by 2e-7 in the logits, which int4's int8 activations (accuracy_level 4) can round
+    to a different code, and the statistics, not the session path, are under test."""
+    sessions = [runtime.session(graph.load(m) if isinstance(m, (str, Path)) else m) for m in (first, other)]
     nll, kld, same = ([], []), [], 0
     for row, start in zip(windows.ids, windows.score_from):
         logp = []

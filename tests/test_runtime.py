@@ -240,7 +240,7 @@ def test_evaluate_shows_a_cuda_session_with_the_ops_it_left_on_the_cpu(monkeypat
 
     from surgery.cli import app
 
-    monkeypatch.setattr(evaluate, "latency", lambda models, **kwargs: [_cuda_latency() for _ in models])
+    monkeypatch.setattr(timing, "latency", lambda models, **kwargs: [_cuda_latency() for _ in models])
     args = ["evaluate", str(fixture_path("llama")), "--max-windows", "1", "--seq-len", "16", "--repeats", "2"]
     result = CliRunner().invoke(app, args + ["--json"])
     assert result.exit_code == 0, result.output

@@ -269,7 +269,9 @@ def test_refit_with_the_chosen_blocks_in_place(fixture_path):
     selection = select_layers(model, windows, fit_windows=fit_windows, settings=SelectionSettings(Budget(None, 10.0), refit=True))
     r = selection.refit
     assert r is not None and r["layers"] == sorted(l for l, f in selection.forms.items() if f == "compensated")
-    assert r["dnll_before"]["dnll"] != r["dnll_after"]["dnll"]  # the refit changed the fixes
+    # the refit changed the fixes: the chosen set scores otherwise (the tiny model's parallel blocks move dNLL by 1e-5,
+    # where float32 sums can leave the point estimate equal: the whole statistics are compared)
+    assert (r["dnll_before"], r["kl_before"]) != (r["dnll_after"], r["kl_after"])
     assert selection.fit_passes == 3  # the input side's and the output side's, then the refit's (the refit keeps the input sides)
     expected = r["dnll_after"] if r["kept"] else r["dnll_before"]
     assert selection.dnll.dnll == pytest.approx(expected["dnll"])
