@@ -96,7 +96,7 @@ def test_auto_parallel_with_defaults_keeps_eight_blocks_within_the_kl_budget_and
     within KL 0.05 on the held-out windows (8 on the built-in corpus of text and the model's own samples, 2026-12-05;
     12 on the Python reference alone before, whose budget did not hold on other text). Held out, dNLL is only held to
     its interval: on 4080 text tokens that is about +-0.01, half the limit."""
-    from surgery.jobs.job import auto, rewrite
+    from surgery.jobs.job import auto, parallel_form
     from surgery.text import data
 
     outcome, written = auto(smollm2, tmp_path / "auto", JobSettings(latency=LatencySettings(measure=False)))
@@ -109,7 +109,7 @@ def test_auto_parallel_with_defaults_keeps_eight_blocks_within_the_kl_budget_and
     model = graph.load(smollm2)
     ids = data.windows(smollm2, seq_len=128, max_windows=1).ids
     plain = graph.load(written)
-    fused = rewrite(model, sel.layers, fused=True, fixes=sel.fixes).model
+    fused = parallel_form(model, sel.layers, fused=True, fixes=sel.fixes).model
     from tests.helpers import Tol, assert_logits_equal, logits
 
     assert_logits_equal(fused, logits(plain, ids), ids, Tol(1e-3, 1e-3))
@@ -171,16 +171,20 @@ def test_like_onnxruntime_equals_lm_evals_onnxruntime_backend_on_smollm2(genai, 
     tokenization (`--like onnxruntime`), every choice's log-likelihood equals lm-eval's `onnxruntime` backend's to 1e-4
     and every accuracy is equal (lm-eval reads a copy whose KV head size is a number: docs/evaluation.md)."""
     pytest.importorskip("pyarrow")
-    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.onnxruntime_ort import ONNXRuntimeLM
+    from lm_eval.tasks import TaskManager
+
     from graphs.deployed import numeric_kv
     from surgery.tasks import accuracy, catalog
     from surgery.tasks.harness import task_files
     from surgery.tasks.likelihood import Likelihood
 
     names = ["arc_easy", "piqa"]
-    manager = lm_eval.tasks.TaskManager(include_path=str(task_files(tmp_path / "tasks")), include_defaults=False)
-    theirs = lm_eval.simple_evaluate(model="onnxruntime", model_args=f"pretrained={numeric_kv(genai, tmp_path / 'numeric')},execution_provider=cpu",
-                                     tasks=names, limit=100, task_manager=manager, log_samples=True)
+    manager = TaskManager(include_path=str(task_files(tmp_path / "tasks")), include_defaults=False)
+    backend = ONNXRuntimeLM(pretrained=str(numeric_kv(genai, tmp_path / "numeric")), execution_provider="cpu")
+    theirs = simple_evaluate(model=backend, tasks=names, limit=100, task_manager=manager, log_samples=True)
     likelihood = Likelihood(genai, like="onnxruntime")
     for name in names:
         task, items = catalog.TASKS[name], catalog.items(catalog.TASKS[name], 100)

@@ -143,6 +143,8 @@ def onnx_backends(reference, tmp_path_factory):
     `kv_cache_dim` to 1), `onnxruntime-genai` on the build itself."""
     pytest.importorskip("onnxruntime_genai")
     from lm_eval import simple_evaluate
+    from lm_eval.models.onnxruntime_genai import ONNXRuntimeGenAILM
+    from lm_eval.models.onnxruntime_ort import ONNXRuntimeLM
 
     from graphs.deployed import genai_build, numeric_kv
 
@@ -150,9 +152,9 @@ def onnx_backends(reference, tmp_path_factory):
     root = tmp_path_factory.mktemp("onnx-backends")
     folder = genai_build(tiny.hf, root / "genai")
     runs = {}
-    for backend, path in (("onnxruntime", numeric_kv(folder, root / "numeric")), ("onnxruntime-genai", folder)):
-        runs[backend] = simple_evaluate(model=backend, model_args=f"pretrained={path},execution_provider=cpu", tasks=list(catalog.TASKS),
-                                        limit=LIMIT, task_manager=manager, log_samples=True)
+    for backend, model in (("onnxruntime", ONNXRuntimeLM(pretrained=str(numeric_kv(folder, root / "numeric")), execution_provider="cpu")),
+                           ("onnxruntime-genai", ONNXRuntimeGenAILM(pretrained=str(folder), execution_provider="cpu"))):
+        runs[backend] = simple_evaluate(model=model, tasks=list(catalog.TASKS), limit=LIMIT, task_manager=manager, log_samples=True)
     return folder, runs
 
 
@@ -212,6 +214,7 @@ def test_a_rewritten_genai_folder_runs_in_lm_evals_onnxruntime_genai_backend(onn
     """The main job's output of the GenAI build, as written (its interface and genai_config.json kept): lm-eval's
     `onnxruntime-genai` backend scores it, and its numbers are surgery's `--like onnxruntime` ones on the same folder."""
     from lm_eval import simple_evaluate
+    from lm_eval.models.onnxruntime_genai import ONNXRuntimeGenAILM
 
     folder, _ = onnx_backends
     _, manager, _, _ = reference
@@ -221,7 +224,7 @@ def test_a_rewritten_genai_folder_runs_in_lm_evals_onnxruntime_genai_backend(onn
     done = runner.invoke(app, ["parallelize", str(folder), "-o", str(out), *job])
     assert done.exit_code == 0, done.output
     names = ["arc_easy", "piqa"]
-    theirs = simple_evaluate(model="onnxruntime-genai", model_args=f"pretrained={out},execution_provider=cpu", tasks=names, limit=LIMIT,
+    theirs = simple_evaluate(model=ONNXRuntimeGenAILM(pretrained=str(out), execution_provider="cpu"), tasks=names, limit=LIMIT,
                              task_manager=manager, log_samples=True)
     likelihood = Likelihood(out, like="onnxruntime")
     for name in names:
