@@ -17,7 +17,7 @@ def _or_dash(key: str, cell: Callable[[dict], str]) -> Callable[[dict], str]:
 
 
 # `surgery evaluate`'s table: (header, the cell of one `rows` row, which rows' table shows it: "score", or "latency" when timed).
-# A new statistic is a field of its result (Perplexity / Divergence / Latency), its key in `rows`, and a line here.
+# A new statistic is a field of its result (Perplexity / Divergence / Latency), which to_json carries into the row, and a line here.
 COLUMNS: tuple[tuple[str, Callable[[dict], str], str], ...] = (
     ("model", lambda r: r["name"], "score"),
     ("loss", lambda r: f"{r['loss']:.4f}", "score"),

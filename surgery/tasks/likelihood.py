@@ -12,11 +12,10 @@ continuation runs alone after the shared cache). Graphs without a KV cache, or t
 (tried once), score each pair's whole row instead. Only the
 continuation tokens' log-probabilities leave the session (the scoring graph of measure/scoring.py).
 
-like="onnxruntime" scores as lm-eval's `onnxruntime` and `onnxruntime-genai` backends do instead (docs/evaluation.md):
-no special tokens, a pair past the position limit keeps its last max_length tokens (hf: max_length + 1, the last of
-which is only a target), and every pair is scored on its whole row, as those backends run it (a row after a cache
-takes other attention kernels: up to 1.8e-3 nats apart per choice on the GenAI builder's SmolLM2 fp32, 100 piqa
-documents).
+like="onnxruntime" tokenizes and cuts as lm-eval's `onnxruntime` and `onnxruntime-genai` backends do instead
+(docs/evaluation.md): no special tokens, and a pair past the position limit keeps its last max_length tokens (hf:
+max_length + 1, the last of which is only a target). The shared cache stays: on the GenAI builder's SmolLM2 fp32 it
+scores what whole rows score, as far from those backends' numbers (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ class Likelihood:
         self.session = runtime.session(scoring_model(loaded, keep=self.presents), options)
         self.cached = runtime.has_kv_cache(self.session) and bool(self.presents)
         self.one_row = any(node.op_type in ops.ONE_ROW_AFTER_PAST for node in loaded.graph.all_nodes())
-        self.cached = self.cached and like == "hf" and self._chunks_after_cache()
+        self.cached = self.cached and self._chunks_after_cache()
         self.tokenizer = data.load_tokenizer(path)
         self.max_length = config.position_limit(path.parent) or DEFAULT_LENGTH
         prefix = _special(path.parent, self.tokenizer, ("bos_token", "eos_token"))
