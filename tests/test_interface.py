@@ -26,14 +26,19 @@ def builds(tmp_path_factory, tiny_export):
     return Builds(tmp_path_factory.mktemp("interface"), tiny_export)
 
 
-@pytest.fixture(scope="module", params=FORMATS)
-def folder(request, builds, tiny_export):
-    if request.param == "optimum":
+def built(name, builds, tiny_export):
+    """The fixture folder of format `name`, made once per module (Builds)."""
+    if name == "optimum":
         return builds.optimum("llama")
-    if request.param == "dynamo":
+    if name == "dynamo":
         pytest.importorskip("torch")
         return tiny_export("llama", exporter="dynamo", past=False, seed=5).onnx
-    return builds.variant(request.param)
+    return builds.variant(name)
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def folder(request, builds, tiny_export):
+    return built(request.param, builds, tiny_export)
 
 
 def interface(path) -> dict:
@@ -84,7 +89,10 @@ def test_every_pass_keeps_the_declared_interface_and_the_files_beside(folder, tm
         assert_same_interface(folder, graph.write(model, tmp_path / name, like=folder).parent)
 
 
-def test_the_main_job_keeps_the_declared_interface_and_the_files_beside(folder, tmp_path):
+@pytest.mark.parametrize("name", [f if f == "genai-int4" else pytest.param(f, marks=pytest.mark.slow) for f in FORMATS])
+def test_the_main_job_keeps_the_declared_interface_and_the_files_beside(name, builds, tiny_export, tmp_path):
+    """Every format; the quick run keeps the GenAI int4 build (the one that declares `kv_cache_dim`), the rest are slow."""
+    folder = built(name, builds, tiny_export)
     out = tmp_path / "auto"
     result = runner.invoke(app, ["parallelize", str(folder), "-o", str(out), *JOB])
     assert result.exit_code == 0, result.output
