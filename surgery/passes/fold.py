@@ -200,7 +200,8 @@ def to_requantize(model: ir.Model, values: dict[str, ir.Value], block: BlockMap,
     none where they are not found), each with its folded weight, float64, where it is MatMulNBits (the fit chooses
     its codes), and None where it is float (nothing is folded for it here)."""
     if side == "outputs":
-        return [s if s.projection.quant is not None else None for s in exact(fix, projection.outputs(values, block, "compensate"))]
-    found = input_projections(model, values, block)
-    inputs = [] if isinstance(found, str) else found[1]
-    return [Folded(p, *input_weights(fix, p), f"mlp_in.{i}") if p.quant is not None else None for i, p in enumerate(inputs)]
+        sides = exact(fix, projection.outputs(values, block, "compensate"))
+    else:
+        found = input_projections(model, values, block)
+        sides = exact(fix, inputs=[] if isinstance(found, str) else found[1])
+    return [s if s.projection.quant is not None else None for s in sides]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from surgery.report.numbers import interval, pm, points, share
+from surgery.report.numbers import interval, kl_interval, pm, points, share
 from surgery.tasks.accuracy import Comparison, paired
 
 
@@ -25,7 +25,7 @@ COLUMNS: tuple[tuple[str, Callable[[dict], str], str], ...] = (
     ("dNLL", lambda r: f"{r['dnll']:+.4f}", "score"),
     ("95 % CI", _or_dash("dnll_interval", lambda r: interval(r["dnll_interval"])), "score"),
     ("KL", _or_dash("kl", lambda r: f"{r['kl']:.4f}"), "score"),
-    ("95 % CI ", _or_dash("kl", lambda r: f"[{r['kl_interval'][0]:.4f}, {r['kl_interval'][1]:.4f}]"), "score"),
+    ("95 % CI ", _or_dash("kl", lambda r: kl_interval(r["kl_interval"])), "score"),
     ("KL p99", _or_dash("kl", lambda r: f"{r['kl_p99']:.4f}"), "score"),
     ("top-1", _or_dash("kl", lambda r: f"{100 * r['top1_agreement']:.1f} %"), "score"),
     ("Same top p", _or_dash("llama_cpp", lambda r: pm(r["llama_cpp"], "Same top p")), "score"),

@@ -10,12 +10,17 @@ def pm(stats: dict, label: str) -> str:
 
 def kl(divergence) -> str:
     """A mean KL beside its interval (statistics.Divergence): "0.0465 [0.0427, 0.0502]"."""
-    return f"{divergence.kl:.4f} [{divergence.low:.4f}, {divergence.high:.4f}]"
+    return f"{divergence.kl:.4f} {kl_interval((divergence.low, divergence.high))}"
 
 
 def dnll(delta) -> str:
     """A dNLL beside its interval (statistics.Delta): "+0.0172 [-0.0009, +0.0362]"."""
     return with_interval(delta.dnll, (delta.low, delta.high))
+
+
+def kl_interval(bounds) -> str:
+    """A KL's interval: "[0.0427, 0.0502]"."""
+    return f"[{bounds[0]:.4f}, {bounds[1]:.4f}]"
 
 
 def interval(bounds) -> str:

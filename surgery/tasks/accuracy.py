@@ -19,9 +19,8 @@ import onnx_ir as ir
 
 from surgery.engine import runtime
 from surgery.engine.progress import Step, Tell, counter, silent
-from surgery.errors import SurgeryError
 from surgery.tasks.catalog import Item, Task, arrow_file, items, parse
-from surgery.tasks.likelihood import LIKE, Likelihood
+from surgery.tasks.likelihood import Likelihood, check_like
 
 RESAMPLES = 2000
 
@@ -42,8 +41,7 @@ class TaskSettings:
 
     def check(self) -> None:
         """Refuse unknown task names, an unknown `like` and missing task data (SurgeryError), before any model loads."""
-        if self.like not in LIKE:
-            raise SurgeryError(f"cannot score like lm-eval's {self.like!r} backend; use one of {', '.join(LIKE)}")
+        check_like(self.like)
         for task in self.chosen():
             arrow_file(task)
 

@@ -49,8 +49,7 @@ class Likelihood:
                  like: str = "hf"):
         if folder is None and isinstance(model, ir.Model):
             raise SurgeryError("a model in memory is scored with the folder of its tokenizer and config")
-        if like not in LIKE:
-            raise SurgeryError(f"cannot score like lm-eval's {like!r} backend; use one of {', '.join(LIKE)}")
+        check_like(like)
         path = graph.resolve(folder if folder is not None else model)
         loaded = model if isinstance(model, ir.Model) else graph.load(path)
         self.presents = [v.name for v in loaded.graph.outputs if v.name.startswith("present")]
@@ -146,6 +145,12 @@ class Likelihood:
         for r, (i, row, n) in enumerate(zip(members, rows, lengths)):
             span = slice(len(row) - n, len(row))
             results[i] = (-float(nll[r, span].astype(np.float64).sum()), bool((top1[r, span] == goals[r, span]).all()))
+
+
+def check_like(like: str) -> None:
+    """Refuse a `like` that names no backend Likelihood can follow (SurgeryError, one line)."""
+    if like not in LIKE:
+        raise SurgeryError(f"cannot score like lm-eval's {like!r} backend; use one of {', '.join(LIKE)}")
 
 
 def _special(folder: Path, tokenizer, keys: tuple[str, ...]) -> int | None:
