@@ -75,6 +75,7 @@ PROGRESS_EVERY = 10.0  # seconds between progress lines inside a stage when stde
 # --help's option groups (rich_help_panel=), named once so a group reads the same in every command.
 SOURCE, GRAPH, REWRITE, MEASURE, BUDGET, FIT = "Source", "Graph", "What to rewrite", "What to measure", "Budget (--layers auto)", "Fit"
 DATA, RUNTIME, LATENCY, CLUSTER, OUTPUT = "Data", "Runtime", "Latency", "Ray cluster", "Output"
+FRONTIER = "Frontier (--layers auto): every point of the trade-off in one run"
 
 # Options several commands take alike, declared once.
 Corpus = Annotated[Optional[str], typer.Option("--data", help="Corpus: a .txt or .jsonl (`text` field) file, `text` (five kinds of text Python and the dependencies ship), `pydoc` (the Python reference alone); unset: half `text`, half the model's own samples.", rich_help_panel=DATA)]
@@ -129,16 +130,6 @@ def _check_counts(least: dict[str, tuple[str, int]], options: dict) -> None:
         value = options.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value < at_least:
             raise SurgeryError(f"{flag} {value}: give a whole number of at least {at_least}")
-
-
-def _max_windows(text: str) -> int | None:
-    """--max-windows: a whole number of at least 1, or `all` (None)."""
-    if text.strip().lower() == "all":
-        return None
-    with contextlib.suppress(ValueError):
-        if int(text) >= 1:
-            return int(text)
-    raise SurgeryError(f"--max-windows {text}: give a whole number of at least 1, or `all`")
 
 
 def _interrupt(signum, frame):
@@ -207,6 +198,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts and block map as JSON.")] = False,
 ) -> None:
     """Show each transformer block found in the graph, and facts about the model."""
+    from surgery.files import metadata
     from surgery.model.facts import describe
 
     facts = describe(model)
@@ -229,7 +221,7 @@ def inspect(
                      if facts.kv_cache and kv_inputs else ("yes" if facts.kv_cache else "no")),
         ("opset", f"{facts.opset} (IR {facts.ir_version}, by {facts.producer})"),
         ("size", size),
-        ("surgery", "; ".join(_history_line(h) for h in facts.history) or "none"),
+        ("surgery", "; ".join(metadata.describe(h) for h in facts.history) or "none"),
     ]
     for key, value in lines:
         out.print(f"[bold]{key:>9}[/]  {escape(value)}", highlight=False)
@@ -258,6 +250,13 @@ def parallelize(
     score: Annotated[Optional[str], typer.Option(help="auto: ranking score, `c_comp` (default when compensating), `c_stream` (default otherwise) or `c`.", rich_help_panel=BUDGET)] = None,
     try_both_forms: Annotated[bool, typer.Option("--try-both-forms", help="auto: try every candidate compensated and plain and keep the better (twice the trials).", rich_help_panel=BUDGET)] = False,
     refit: Annotated[bool, typer.Option("--refit", help="auto: refit the chosen blocks' fixes with all chosen blocks in place; kept if the selection KL (dNLL when only that is limited) drops.", rich_help_panel=BUDGET)] = False,
+    frontier: Annotated[bool, typer.Option("--frontier", help="auto: walk on past the budget, one block per point, and measure every point (frontier.json, frontier.png); keeps OUT.work for --frontier-point.", rich_help_panel=FRONTIER)] = False,
+    frontier_max_kl: Annotated[str, typer.Option(help="The frontier's ceiling: stop before a point whose selection KL passes it (nats); `none`: no ceiling.", rich_help_panel=FRONTIER)] = "0.5",
+    frontier_max_layers: Annotated[Optional[int], typer.Option(help="The frontier stops at this many blocks.", rich_help_panel=FRONTIER), AtLeast(1)] = None,
+    frontier_every: Annotated[int, typer.Option(help="--tasks and --frontier-latency at every N-th point of the frontier (and the budget's).", rich_help_panel=FRONTIER), AtLeast(1)] = 4,
+    frontier_latency: Annotated[bool, typer.Option("--frontier-latency", help="Time the original and those points' graphs, interleaved.", rich_help_panel=FRONTIER)] = False,
+    frontier_point: Annotated[Optional[int], typer.Option(help="Write point K of the frontier run --frontier-of OUT (same options as that run): no new fit or selection.", rich_help_panel=FRONTIER), AtLeast(1)] = None,
+    frontier_of: Annotated[Optional[Path], typer.Option(help="The output of the --frontier run that --frontier-point reads.", rich_help_panel=FRONTIER)] = None,
     input_fix: Annotated[bool, typer.Option("--input-fix/--no-input-fix", help="A compensated block's mlp also reads a least-squares prediction of its sequential input, ln2(resid_pre) (I + W_in) + b_in, folded into W_gate and W_up (MatMulNBits ones requantized as --requantize says; one more fit pass).", rich_help_panel=FIT)] = True,
     requantize: Annotated[str, typer.Option(help="Int4 / int8 (MatMulNBits) weights a fix is folded into: `gptq` chooses their codes error-aware on the fit's input statistics, `nearest` rounds them; both keep the node's scales.", rich_help_panel=FIT)] = "gptq",
     fit_windows: Annotated[int, typer.Option(help="Calibration windows the fixes are fitted on.", rich_help_panel=FIT), AtLeast(1)] = 64,
@@ -288,14 +287,15 @@ def parallelize(
     from surgery.engine.cluster import Resources
     from surgery.jobs import job, select
     from surgery.jobs.explicit import fit_kind, parallelize_file
+    from surgery.jobs.frontier import FrontierSettings, ceiling
     from surgery.measure.timing import LatencySettings
     from surgery.report import summary
     from surgery.tasks.accuracy import TaskSettings
     from surgery.text.data import DataSettings
 
     explicit = layers.strip().lower() != "auto"
-    if explicit and (workers or ray):
-        raise SurgeryError("--workers and --ray go with --layers auto (the selection trials); drop them for explicit --layers")
+    if explicit and (wrong := [flag for flag, on in (("--workers", workers), ("--ray", ray), ("--tasks", tasks), ("--frontier", frontier or frontier_point)) if on]):
+        raise SurgeryError(f"{' and '.join(wrong)} go with --layers auto; drop them for explicit --layers (then `surgery evaluate MODEL OUT --tasks ...`)")
     kind = fit_kind(compensate, calibrate, auto=not explicit)
     checked = FitSettings(kind=kind or "full", windows=fit_windows, memory=fit_memory, requantize=requantize, input_fix=input_fix)  # even unused
     fit = checked if kind is not None else None
@@ -305,18 +305,20 @@ def parallelize(
     budget = select.Budget.parse(max_kl, max_loss_increase)
     source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer)
     task_settings = None if tasks is None else TaskSettings(tasks, task_limit)
-    if task_settings is not None and explicit:
-        raise SurgeryError("--tasks goes with --layers auto; for explicit --layers, run `surgery evaluate MODEL OUT --tasks ...` after")
+    walk = (FrontierSettings(ceiling(frontier_max_kl), frontier_max_layers, frontier_every, frontier_latency, frontier_point, frontier_of)
+            if frontier or frontier_point else None)
     if explicit:
         _print_changes(*parallelize_file(model, out_path, layers, fit, fuse, source, options), as_json)
         return
     settings = job.JobSettings(
         data=source, fit=fit, eval_windows=eval_windows, fused=fuse,
-        selection=select.SelectionSettings(budget=budget, windows=windows, score=score, max_layers=max_layers, patience=patience,
-                                           protect_first=protect_first, protect_last=protect_last, try_both=try_both_forms, refit=refit),
+        selection=select.SelectionSettings(budget=budget, windows=windows, score=score, max_layers=max_layers, patience=patience, protect_first=protect_first,
+                                           protect_last=protect_last, try_both=try_both_forms, refit=refit, frontier=walk),
         latency=LatencySettings(measure=latency, repeats=repeats), resources=Resources(options=options, workers=workers, ray=ray),
         checkpoints=checkpoints, restart=restart, tasks=task_settings,
     )
+    if walk and task_settings and not frontier_point:
+        err.print(escape(summary.frontier_cost(task_settings, walk)), highlight=False, soft_wrap=True)
     with _progress() as tell:
         outcome, written = job.auto(model, out_path, settings, progress=tell)
     for layer, why in outcome.selection.uncompensated.items():
@@ -327,6 +329,8 @@ def parallelize(
         return
     for key, value in summary.lines(outcome, written, budget, repeats):
         out.print(f"[bold]{key:>17}[/]  {escape(value)}", highlight=False)
+    for line in summary.frontier_table(outcome.frontier) if outcome.frontier else ():
+        out.print(escape(line), highlight=False)
 
 
 @_command("surgery ablate out/smollm2 --branch mlp --mode tangential --layers 0-2 -o out/smollm2-tangential")
@@ -398,7 +402,7 @@ def evaluate(
     source = DataSettings(data=data, seq_len=seq_len, tokenizer=tokenizer, stride=stride)
     timed = LatencySettings(measure=latency, repeats=repeats, batch=latency_batch, warmup=warmup)
     with _progress() as tell:
-        windows, rows = evaluate.side_by_side(models, _short_names(models), source, _max_windows(max_windows), part, batch_size, timed,
+        windows, rows = evaluate.side_by_side(models, evaluate.short_names(models), source, evaluate.max_windows(max_windows), part, batch_size, timed,
                                               runtime.Options(threads=threads, device=device), progress=tell)
     if as_json:
         print(json.dumps({"windows": {"corpus": windows.name, "count": len(windows), "seq_len": seq_len, "tokens": windows.tokens}, "models": rows}, indent=2))
@@ -422,7 +426,7 @@ def _task_accuracy(models: list[Path], settings, options, as_json: bool) -> None
     from surgery.report import evaluation
 
     with _progress() as tell:
-        comparison = evaluate.tasks_side_by_side(models, _short_names(models), settings, options, progress=tell)
+        comparison = evaluate.tasks_side_by_side(models, evaluate.short_names(models), settings, options, progress=tell)
     if as_json:
         print(json.dumps(comparison.to_json(), indent=2))
         return
@@ -482,16 +486,6 @@ def diagnose(
         table.add_row(key, escape(value))
     out.print(table)
     out.print(f"report -> {folder / 'report.html'}", highlight=False)
-
-
-def _short_names(paths: list[Path]) -> list[str]:
-    names = [p.name if p.name != "model.onnx" else p.parent.name for p in paths]
-    return names if len(set(names)) == len(names) else [str(p) for p in paths]
-
-
-def _history_line(entry: dict) -> str:
-    extra = " ".join(f"{k}={v}" for k, v in (entry.get("options") or {}).items() if v is not None)
-    return f"{entry.get('pass', '?')} layers={entry.get('layers')} {extra}".strip()
 
 
 if __name__ == "__main__":

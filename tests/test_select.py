@@ -11,8 +11,9 @@ from surgery.diagnostics import DiagnoseSettings
 from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import graph
+from surgery.jobs.greedy import forms_to_try
 from surgery.jobs.job import parallel_form
-from surgery.jobs.select import Budget, SelectionSettings, _forms, select_layers
+from surgery.jobs.select import Budget, SelectionSettings, select_layers
 from surgery.measure import scoring, statistics
 from surgery.measure.timing import LatencySettings
 from surgery.model.blocks import find_blocks
@@ -255,11 +256,11 @@ def test_plain_is_tried_after_a_failed_compensated_trial_only_for_a_bad_fit():
     good = FitResult(0, Fix.gate(0.9), None, 0.4, 0.01, 100, scores={"c_stream": 0.02})
     bad = dataclasses.replace(good, residual=1.7)
     failed = dataclasses.replace(good, fix=None, residual=None)
-    assert _forms(0, {0: good}, False) == ("compensated",)
-    assert _forms(0, {0: bad}, False) == ("compensated", "plain")
-    assert _forms(0, {0: failed}, False) == ("plain",)
-    assert _forms(0, {}, False) == ("plain",)
-    assert _forms(0, {0: good}, True) == ("compensated", "plain")
+    assert forms_to_try(0, {0: good}, False) == ("compensated",)
+    assert forms_to_try(0, {0: bad}, False) == ("compensated", "plain")
+    assert forms_to_try(0, {0: failed}, False) == ("plain",)
+    assert forms_to_try(0, {}, False) == ("plain",)
+    assert forms_to_try(0, {0: good}, True) == ("compensated", "plain")
 
 
 def test_refit_with_the_chosen_blocks_in_place(fixture_path):

@@ -14,6 +14,7 @@ import onnxruntime as ort
 
 from surgery.errors import SurgeryError
 from surgery.files import config, graph, ops
+from surgery.files.checkpoint import checkpointable
 
 _FATAL_ONLY = 4  # ORT log severity: keep provider-loading errors off a CPU machine's terminal
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -238,6 +239,7 @@ def short_name(provider: str) -> str:
     return provider.removesuffix("ExecutionProvider")
 
 
+@checkpointable
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where ONNX Runtime ran a session's nodes (after its graph optimizations): the session's first provider,

@@ -47,3 +47,9 @@ def history(model: ir.Model) -> list[dict]:
 def record(model: ir.Model, entry: dict) -> None:
     """Append one pass's entry to the model's history."""
     model.metadata_props[HISTORY] = json.dumps([*history(model), entry])
+
+
+def describe(entry: dict) -> str:
+    """One history entry in words: `parallelize layers=[3, 4] fused=True`."""
+    extra = " ".join(f"{k}={v}" for k, v in (entry.get("options") or {}).items() if v is not None)
+    return f"{entry.get('pass', '?')} layers={entry.get('layers')} {extra}".strip()

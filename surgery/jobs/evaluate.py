@@ -4,11 +4,14 @@ downstream tasks. report/evaluation.py lays both out."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 from surgery.engine import runtime
 from surgery.engine.progress import Tell, counter, silent
+from surgery.errors import SurgeryError
 from surgery.files import graph
 from surgery.measure import scoring, statistics, timing
 from surgery.tasks import accuracy
@@ -53,6 +56,22 @@ def rows(models: Sequence, names: Sequence[str], scores: Sequence[statistics.Per
             row["decode_ratio"] = t0.decode_ms / t.decode_ms if t.decode_ms and t0.decode_ms else None
         out.append(row)
     return out
+
+
+def max_windows(text: str) -> int | None:
+    """--max-windows: a whole number of at least 1, or `all` (None)."""
+    if text.strip().lower() == "all":
+        return None
+    with contextlib.suppress(ValueError):
+        if int(text) >= 1:
+            return int(text)
+    raise SurgeryError(f"--max-windows {text}: give a whole number of at least 1, or `all`")
+
+
+def short_names(paths: Sequence[Path]) -> list[str]:
+    """The models' names in a table: a file's name, or a folder's for model.onnx; whole paths when two would read alike."""
+    names = [p.name if p.name != "model.onnx" else p.parent.name for p in paths]
+    return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
 def tasks_side_by_side(models: Sequence, names: Sequence[str], settings: accuracy.TaskSettings, options: runtime.Options = runtime.Options(),

@@ -16,10 +16,11 @@ from surgery.engine import runtime
 from surgery.engine.cluster import Resources
 from surgery.engine.progress import Tell, counter, silent
 from surgery.errors import SurgeryError
-from surgery.files import graph
+from surgery.files import checkpoint, graph
 from surgery.files.checkpoint import Checkpoints, digest, model_digest
+from surgery.jobs import frontier as measured_frontier
 from surgery.jobs import select
-from surgery.jobs.picture import selection_picture
+from surgery.jobs.picture import frontier_picture, selection_picture
 from surgery.jobs.select import Selection, SelectionSettings, select_layers
 from surgery.measure import scoring, statistics, timing
 from surgery.measure.statistics import Delta
@@ -92,7 +93,7 @@ class JobSettings:
         """The settings that change results, by name (what a work folder is tied to, and what its refusal names): not those
         that change only speed or memory, nor the window counts (the windows' own digests stand for them)."""
         fit = {} if self.fit is None else {k: v for k, v in dataclasses.asdict(self.fit).items() if k not in ("kind", "memory", "windows")}
-        greedy = {k: v for k, v in dataclasses.asdict(self.selection).items() if k != "windows"}
+        greedy = {k: v for k, v in dataclasses.asdict(self.selection).items() if k not in ("windows", "frontier")}
         return {**fit, "fit": None if self.fit is None else self.fit.kind, "fused": self.fused, **greedy, "budget": self.selection.budget}
 
 
@@ -116,6 +117,7 @@ class Outcome:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of the steps after the selection: evaluation
     checkpoints: dict = dataclasses.field(default_factory=dict)  # what writing the work folder's units cost: seconds, bytes, units
     tasks: dict | None = None  # with --tasks: accuracy.Comparison.to_json() of the original and the rewritten model
+    frontier: dict | None = None  # with --frontier: frontier.json (Frontier.to_json)
 
     @property
     def over_budget(self) -> dict[str, dict[str, float]]:
@@ -171,25 +173,61 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
         fit_part, sel = None, settings.data.windows(subject, greedy.windows, "calibration", tell)
     ev = settings.data.windows(subject, settings.eval_windows, "evaluation", tell)
     parts = {"fit windows": fit_part, "selection windows": sel, "evaluation windows": ev}
-    with _work(out, model_path, model, parts, settings) if settings.checkpoints else Checkpoints.off() as work:  # released however auto ends
+    frontier = greedy.frontier
+    with _work(out, model_path, model, parts, settings) as work:  # released however auto ends
+        if frontier is not None and frontier.point is not None and frontier.point > (reached := measured_frontier.reached(frontier.of, work)):
+            raise SurgeryError(f"--frontier-point {frontier.point}: the frontier of {frontier.of} reached {reached} points; choose one of 1..{reached}")
+        point = work.scope(f"point-{frontier.point}") if frontier is not None and frontier.point else work  # its own units beside the frontier's
         with settings.resources.pool() as pool:
             selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, settings=greedy, options=options, progress=tell, pool=pool, work=work)
-        rewritten = parallel_form(subject, selection.layers, fused=settings.fused, fixes=selection.fixes).model
-        base, after, seconds = _evaluation(model, rewritten, ev, options, tell, work)
-        seq_len = settings.data.seq_len
-        times = timing.branch_times(subject, seq_len=seq_len, runs=3, options=options)  # on the latency's device
-        prefill, decode, timed = _latency(model, rewritten, seq_len, settings.latency, options, tell) if settings.latency.measure else (None,) * 3
-        tasks = _tasks(model, rewritten, model_path, settings.tasks, options, tell, work, seconds) if settings.tasks else None
+            rewritten = parallel_form(subject, selection.layers, fused=settings.fused, fixes=selection.fixes).model
+            base, after, seconds = _evaluation(model, rewritten, ev, options, tell, point)
+            seq_len = settings.data.seq_len
+            times = _branch_times(subject, seq_len, options, work)
+            prefill, decode, timed = _latency(model, rewritten, seq_len, settings.latency, options, tell) if settings.latency.measure else (None,) * 3
+            book = accuracy.ScoreBook(settings.tasks, options, tell, graph.resolve(model_path).parent, work.scope("tasks")) if settings.tasks else None
+            walked = None
+            if frontier is not None and frontier.point is None:
+                start = time.perf_counter()
+                walked = _frontier(subject, selection, ev, settings, times, book, pool, tell, work)
+                seconds["frontier"] = time.perf_counter() - start
+        tasks = _tasks(model, rewritten, book, len(selection.layers) if frontier else None, seconds) if book else None
         outcome = Outcome(
             selection=selection, form=selection.describe(settings.fused), base_loss_eval=base.loss, dnll_eval=statistics.delta(base, after),
             eval_tokens=ev.tokens, divergence_eval=statistics.divergence(after, base), estimated_speedup=times.estimated_speedup(selection.layers),
             prefill_ratio=prefill, decode_ratio=decode, latency=timed,
             windows={name: w.describe() for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None},
             estimate_placement=str(times.placement), resumed=work.resumed(), seconds=seconds, checkpoints=work.cost, tasks=tasks,
+            frontier=walked.to_json() if walked else None,
         )
         written = _write(outcome, rewritten, out, model_path)
-        work.finish()
+        if frontier is None:
+            work.finish()  # a frontier's work folder stays: --frontier-point reads its points from it
     return outcome, written
+
+
+def _branch_times(subject: Subject, seq_len: int, options: runtime.Options, work: Checkpoints) -> timing.BranchTimes:
+    """The kernel times of the speed estimate (on the latency's device), profiled once per work folder: a resumed run,
+    and a --frontier-point run, estimate from the times the first run measured."""
+    if (times := work.load("branch-times")) is None:
+        times = timing.branch_times(subject, seq_len=seq_len, runs=3, options=options)
+        work.save("branch-times", times)
+    return times
+
+
+def _frontier(subject: Subject, selection: Selection, ev: data.Windows, settings: JobSettings, times, book, pool, tell: Tell,
+              work: Checkpoints) -> measured_frontier.Frontier:
+    """Every point of the selection's path measured (frontier.measure): held out, speed, and tasks and latency where asked."""
+    options, frontier = settings.resources.options, settings.selection.frontier
+    graph_of = lambda forms: parallel_form(subject, sorted(forms), fused=settings.fused,  # noqa: E731
+                                           fixes={l: selection.fits[l].fix for l, f in forms.items() if f == "compensated"}).model
+    latency = None
+    if frontier.latency:
+        def latency(rewritten):
+            prefill, decode, _ = _latency(subject.model, rewritten, settings.data.seq_len, settings.latency, options, tell)
+            return {"prefill": prefill, "decode": decode}
+    measures = measured_frontier.Measures(subject, times, graph_of, book, latency)
+    return measured_frontier.measure(selection, ev, frontier, measures, pool=pool, options=options, tell=tell, work=work)
 
 
 def _write(outcome: Outcome, rewritten: ir.Model, out, model_path) -> Path:
@@ -197,6 +235,9 @@ def _write(outcome: Outcome, rewritten: ir.Model, out, model_path) -> Path:
     report = "selection.json" if Path(model_path).is_dir() else Path(out).with_suffix(".selection.json").name
     saved = outcome.to_json()
     extra = {report: json.dumps(saved, indent=2), Path(report).with_suffix(".png").name: selection_picture(saved)}
+    if outcome.frontier is not None:  # frontier.json and its picture beside them
+        name = report.replace("selection.json", "frontier.json")
+        extra |= {name: json.dumps(outcome.frontier, indent=2), Path(name).with_suffix(".png").name: frontier_picture(outcome.frontier)}
     return graph.write(rewritten, out, like=model_path, extra=extra)
 
 
@@ -212,29 +253,34 @@ def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options:
     return *scored, {"evaluation": time.perf_counter() - start}
 
 
-def _tasks(model: ir.Model, rewritten: ir.Model, model_path, tasks: TaskSettings, options: runtime.Options, tell: Tell, work: Checkpoints,
-           seconds: dict[str, float]) -> dict:
-    """Both models' accuracy on the downstream tasks (a checkpoint unit), with the tokenizer of the input's folder; adds its
-    seconds to `seconds`."""
+def _tasks(model: ir.Model, rewritten: ir.Model, book: accuracy.ScoreBook, point: int | None, seconds: dict[str, float]) -> dict:
+    """Both models' accuracy on the downstream tasks (a checkpoint unit each, in `book`; with a frontier the rewritten model
+    is its point `point`, which the frontier may have scored already); adds its seconds to `seconds`."""
     start = time.perf_counter()
-    unit = "+".join(task.name for task in tasks.chosen()) + f"-{tasks.limit or 'all'}"  # a resumed run may ask for other tasks
-    scoped = work.scope("tasks")
-    if (compared := scoped.load(unit)) is None:
-        folder = graph.resolve(model_path).parent
-        compared = accuracy.task_accuracy([model, rewritten], ["original", "rewritten"], tasks, options, tell, folder).to_json()
-        scoped.save(unit, compared)
+    name = "rewritten" if point is None else f"point-{point}"
+    book.scores(model, "original")
+    book.scores(rewritten, name)
     seconds["tasks"] = time.perf_counter() - start
-    return compared
+    return dataclasses.replace(book.compare(["original", name]), names=("original", "rewritten")).to_json()
 
 
 def _work(out, model_path, model: ir.Model, windows: dict[str, data.Windows | None], settings: JobSettings) -> Checkpoints:
-    """The main job's work folder beside `out`, tied to the model's bytes, the windows' tokens, the settings that change
-    results (JobSettings.results; the device) and surgery's version; not to those that change only speed."""
+    """The main job's work folder beside `out` (with --frontier-point, the frontier run's, which must exist), tied to the
+    model's bytes, the windows' tokens, the settings that change results (JobSettings.results; the device) and surgery's
+    version; not to those that change only speed. Off without checkpoints."""
+    frontier = settings.selection.frontier
+    of = frontier.of if frontier is not None and frontier.point is not None else None
+    if of is not None and not checkpoint.work_folder(of).is_dir():
+        raise SurgeryError(f"--frontier-of {of}: no work folder {checkpoint.work_folder(of)}; run `surgery parallelize ... -o {of} --frontier` first")
+    if not settings.checkpoints:
+        if frontier is not None:
+            raise SurgeryError("--frontier keeps its points in the work folder (for --frontier-point); drop --no-checkpoints")
+        return Checkpoints.off()
     fingerprint = {"model": model_digest(model_path, model),
                    **{name: digest(w.ids) for name, w in windows.items() if w is not None},
                    "device": runtime.providers(settings.resources.options.device)[0],
                    **{k: str(v) for k, v in settings.results().items()}}
-    return Checkpoints.open(out, fingerprint, restart=settings.restart)
+    return Checkpoints.open(of or out, fingerprint, restart=settings.restart and of is None)
 
 
 def _check_fusable(model: ir.Model, blocks: list[BlockMap]) -> None:

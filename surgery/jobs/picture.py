@@ -99,3 +99,69 @@ def _plot_selection_scores(ax, selection: dict) -> None:
 
 def _arr(values) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def frontier_series(frontier: dict) -> dict[str, np.ndarray]:
+    """What frontier.png draws, per point (NaN where a point was not measured): k, held-out KL and dNLL with their
+    intervals, the speed estimate, the measured prefill and decode ratios, and the accuracy kept with its interval."""
+    points = frontier["points"]
+    get = lambda f: np.array([np.nan if (v := f(p)) is None else v for p in points], dtype=float)  # noqa: E731
+    e = lambda key, i=None: get(lambda p: p["evaluation"][key] if i is None else p["evaluation"][key][i])  # noqa: E731
+    measured = lambda key: get(lambda p: (p["speedup_measured"] or {}).get(key))  # noqa: E731
+    kept = lambda i: get(lambda p: p["tasks"]["kept"][i] if p["tasks"] else None)  # noqa: E731
+    return {"k": get(lambda p: p["k"]), "kl": e("kl"), "kl_low": e("kl_interval", 0), "kl_high": e("kl_interval", 1),
+            "dnll": e("dnll"), "dnll_low": e("dnll_interval", 0), "dnll_high": e("dnll_interval", 1),
+            "estimate": get(lambda p: p["speedup_estimate"]), "prefill": measured("prefill"), "decode": measured("decode"),
+            "kept": kept(0), "kept_low": kept(1), "kept_high": kept(2)}
+
+
+def frontier_picture(frontier: dict) -> bytes:
+    """frontier.png: held-out KL and dNLL with their 95 % intervals against the blocks rewritten, the budget's point and
+    the ceiling marked (above); the accuracy kept where measured and the speed, estimated and measured, on a second axis
+    (below). `frontier`: frontier.json's dict, so a saved frontier can be drawn again."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = frontier_series(frontier)
+    fig, (quality, trade) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
+    dnll_axis = quality.twinx()
+    quality.errorbar(s["k"], s["kl"], yerr=_bars(s["kl"], s["kl_low"], s["kl_high"]), fmt="o-", color="#4c72b0", capsize=2, label="KL")
+    dnll_axis.errorbar(s["k"] + 0.15, s["dnll"], yerr=_bars(s["dnll"], s["dnll_low"], s["dnll_high"]), fmt="s--", color="#dd8452", capsize=2, label="dNLL")
+    for ax in (quality, trade):
+        ax.axvline(frontier["budget_point"], color="#c44e52", ls=":", lw=1.2, label=f"the budget's point ({frontier['budget_point']} blocks)")
+    if (ceiling := frontier["ceiling"].get("max_kl")) is not None and np.nanmax(s["kl_high"], initial=0) > 0.5 * ceiling:
+        quality.axhline(ceiling, color="gray", ls="--", lw=1, label=f"--frontier-max-kl {ceiling:g} (selection windows)")
+    quality.set(ylabel="KL vs original, nats")
+    dnll_axis.set_ylabel("dNLL, nats", color="#dd8452")
+    handles = [h for ax in (quality, dnll_axis) for h in ax.get_legend_handles_labels()[0]]
+    quality.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper left")
+    quality.set_title("Held-out evaluation windows, 95 % intervals", fontsize=9)
+    speed = trade.twinx()
+    speed.plot(s["k"], s["estimate"], "d-", color="k", ms=4, label="speed, paper's estimate")
+    for key, style in (("prefill", "^-"), ("decode", "v-")):
+        if np.isfinite(s[key]).any():
+            speed.plot(s["k"], s[key], style, ms=5, label=f"speed, measured {key}")
+    speed.set_ylabel("speed-up, original / point")
+    if np.isfinite(s["kept"]).any():
+        at = np.isfinite(s["kept"])
+        trade.errorbar(s["k"][at], 100 * s["kept"][at], yerr=100 * _bars(s["kept"], s["kept_low"], s["kept_high"])[:, at], fmt="o",
+                       color="#55a868", capsize=3, label="task accuracy kept, %")
+        trade.axhline(100, color="#55a868", lw=0.5)
+    else:
+        trade.text(0.02, 0.5, "no task accuracy measured (--tasks)", transform=trade.transAxes, fontsize=8, color="gray")
+    trade.set(xlabel="blocks rewritten (point k)", ylabel="accuracy kept, %")
+    handles = [h for ax in (trade, speed) for h in ax.get_legend_handles_labels()[0]]
+    trade.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="lower left")
+    fig.suptitle(f"surgery parallelize --frontier: {len(frontier['points'])} points; stopped: {frontier['stopped'] or 'at the budget'}", fontsize=9)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _bars(value: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """Error bar lengths below and above each value (never negative)."""
+    return np.maximum(np.stack([value - low, high - value]), 0)

@@ -14,14 +14,14 @@ KL) is kept. With refit, the chosen blocks' fixes are then fitted again with eve
 place, and the refitted fixes are kept if the selection KL goes down. All trials run in one
 switchboard session (surgery.jobs.trials); a refit builds a second one.
 
-Holds the result types (Trial, Budget, Selection) and select_layers; the main job that loads, selects,
-rewrites, measures and writes is surgery.jobs.job.
+With a frontier (SelectionSettings.frontier), the walk of surgery.jobs.greedy goes on past the budget in the same
+session. Holds the result type (Selection) and select_layers; the greedy, its Budget and Trial are surgery.jobs.greedy;
+the main job that loads, selects, rewrites, measures and writes is surgery.jobs.job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Literal, get_args
 
@@ -38,6 +38,8 @@ from surgery.engine import cluster, runtime
 from surgery.engine.progress import Tell, silent
 from surgery.errors import SurgeryError
 from surgery.files.checkpoint import Checkpoints
+from surgery.jobs.frontier import FrontierSettings
+from surgery.jobs.greedy import FORMS, PATIENCE, Budget, Chosen, Trial, Walk, greedy, walk
 from surgery.jobs.trials import Trials
 from surgery.measure import statistics
 from surgery.measure.statistics import Delta
@@ -48,70 +50,6 @@ from surgery.text.data import Windows
 
 Score = Literal["c_comp", "c_stream", "c"]  # what ranks the candidates: the fixed block's held-out defect, the stream's, the block's
 SCORES: tuple[Score, ...] = get_args(Score)
-FORMS: tuple[Form, ...] = get_args(Form)
-PATIENCE = 6  # auto stops after this many candidates in a row miss the budget
-
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-    layer: int
-    form: Form
-    score: float
-    dnll: float  # of the chosen set plus this layer in this form, selection windows
-    low: float  # 95 % paired bootstrap interval over the selection windows
-    high: float
-    kept: bool
-    kl: float  # mean token KL(original || chosen set plus this layer), selection windows
-    kl_low: float  # its 95 % bootstrap interval over the selection windows
-    kl_high: float
-    top1: float  # top-1 agreement with the original
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-    """What the chosen set may cost on the selection windows, on point estimates: mean token KL vs the original
-    (nats) and dNLL (nats); None switches a limit off. Both must hold.
-
-    Attributes:
-        max_kl: the most mean token KL(original || chosen set) allowed, nats (`--max-kl`); None: no limit.
-        max_loss_increase: the most dNLL (loss of the chosen set minus the original's) allowed, nats
-            (`--max-loss-increase`); None: no limit.
-
-    Raises:
-        SurgeryError: a limit that is not a positive finite number (or None).
-    """
-
-    max_kl: float | None = 0.05
-    max_loss_increase: float | None = 0.02
-
-    def __post_init__(self):
-        for flag, limit in (("--max-kl", self.max_kl), ("--max-loss-increase", self.max_loss_increase)):
-            if limit is not None and not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
-                raise SurgeryError(f"{flag} {limit}: give a positive number of nats, or `none` to switch the limit off")
-
-    @staticmethod
-    def parse(max_kl: str | float | None, max_loss_increase: str | float | None) -> "Budget":
-        """A Budget from command-line values: numbers, or `none`."""
-        def read(flag, text):
-            if text is None or str(text).strip().lower() == "none":
-                return None
-            try:
-                return float(text)
-            except ValueError:
-                raise SurgeryError(f"cannot read {flag} {text!r}: give a positive number of nats, or `none`") from None
-
-        return Budget(read("--max-kl", max_kl), read("--max-loss-increase", max_loss_increase))
-
-    def __str__(self) -> str:
-        limits = [f"KL <= {self.max_kl}" if self.max_kl is not None else "", f"dNLL <= {self.max_loss_increase}" if self.max_loss_increase is not None else ""]
-        return " and ".join(x for x in limits if x) or "no limit"
-
-    def holds(self, d: Delta, kl: statistics.Divergence) -> bool:
-        return (self.max_kl is None or kl.kl <= self.max_kl) and (self.max_loss_increase is None or d.dnll <= self.max_loss_increase)
-
-    def cost(self, d: Delta, kl: statistics.Divergence) -> float:
-        """What "better" means between passing forms or fixes: KL when it is limited, else dNLL."""
-        return kl.kl if self.max_kl is not None or self.max_loss_increase is None else d.dnll
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +69,8 @@ class SelectionSettings:
             tried only after compensated misses and the fit did not lower the held-out defect.
         refit: fit the chosen compensated blocks' fixes again with every chosen block in place; the refitted fixes are kept if the
             chosen set then costs less on the selection windows.
+        frontier: walk on past the budget, one block per point, to its ceiling (surgery.jobs.greedy.walk; FrontierSettings); with
+            its `point`, the Selection is that point's set instead of the budget's. None: stop at the budget.
     """
 
     budget: Budget = Budget()
@@ -142,6 +82,11 @@ class SelectionSettings:
     protect_last: int = 0
     try_both: bool = False
     refit: bool = False
+    frontier: FrontierSettings | None = None
+
+    def __post_init__(self):
+        if self.frontier is not None and self.refit:
+            raise SurgeryError("--frontier and --refit: the frontier's points share one set of fixes; drop one of them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +147,7 @@ class Selection:
     requantize: str | None = None  # how chosen compensated MatMulNBits blocks' codes were chosen (None: none is chosen)
     blocks_run: int = 0  # blocks the forward passes ran (a resumed trial runs the blocks from its start on; the rest all)
     budget: Budget = Budget()  # the limits the chosen set was held to
+    walk: Walk | None = None  # the frontier's walk past the budget (SelectionSettings.frontier)
 
     @property
     def uncompensated(self) -> dict[int, str]:
@@ -254,17 +200,6 @@ class Selection:
             "seconds": self.seconds, "blocks": blocks, "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chosen:
-    """Where the greedy left the chosen set: its forms, every trial, its cost on the selection windows, why it stopped."""
-
-    forms: dict[int, Form]
-    trials: tuple[Trial, ...]
-    dnll: Delta
-    divergence: statistics.Divergence | None  # None: nothing chosen
-    stopped: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,8 +262,15 @@ def select_layers(
     start = time.perf_counter()
     candidates, rank = _candidates(model.blocks, stats, score, settings.protect_first, settings.protect_last)
     runs = Trials(model, fixes_of(fits), windows, candidates, pool, options, work=work.scope("trials"))
-    chosen = _greedy(runs, candidates, rank, fits, settings, tell)
+    frontier, walked = settings.frontier, None
+    point = frontier.point if frontier else None
+    chosen = greedy(runs, candidates, rank, fits, dataclasses.replace(settings, max_layers=point) if point else settings, tell)
     seconds["selection"] = time.perf_counter() - start
+    if frontier is not None and (point is None or point > len(chosen.forms)):
+        start = time.perf_counter()
+        walked = walk(runs, candidates, rank, fits, chosen, settings, None if point else frontier.max_kl, point or frontier.max_layers, tell)
+        seconds["frontier walk"] = time.perf_counter() - start
+        chosen = walked.after(chosen) if point else chosen
 
     again = None
     if settings.refit and "compensated" in chosen.forms.values():
@@ -338,7 +280,7 @@ def select_layers(
         seconds["refit"] = time.perf_counter() - start
     return _selection(model, chosen, stats, fits, runs, again, score=score, fit=fit.kind if fit else None, fit_passes=fit_passes,
                       fit_seconds=fit_seconds, seconds=seconds, candidates=len(candidates), fit_memory=fit.memory if fit else None,
-                      requantize=fit.requantize if fit else None, budget=settings.budget)
+                      requantize=fit.requantize if fit else None, budget=settings.budget, walk=walked)
 
 
 def _add(clock: dict[str, float], seconds: dict[str, float]) -> None:
@@ -397,52 +339,7 @@ def _candidates(blocks: list[BlockMap], stats: dict[str, list[float | None]], sc
     return candidates, rank
 
 
-def _greedy(runs: Trials, candidates: list[int], rank: list[float | None], fits: dict[int, FitResult], settings: SelectionSettings,
-            tell: Tell) -> _Chosen:
-    """Add the candidates in order, each in the first form to try (try_both: the cheapest form) whose trial of the whole
-    chosen set stays within the budget; stop at max_layers, or after `patience` misses in a row."""
-    budget, max_layers, patience, try_both = settings.budget, settings.max_layers, settings.patience, settings.try_both
-    chosen: dict[int, Form] = {}
-    trials: list[Trial] = []
-    current, current_kl = Delta(0.0, 0.0, 0.0), None
-    misses, stopped = 0, None  # candidates rejected in a row; why the greedy stopped before the end of the list
-    for i, layer in enumerate(candidates):
-        if max_layers is not None and len(chosen) >= max_layers:
-            stopped = f"--max-layers {max_layers} reached"
-            break
-        if patience and misses >= patience:
-            stopped = f"{patience} candidates in a row missed the budget"
-            break
-        passing = []
-        for form in _forms(layer, fits, try_both):
-            d, kl, run = runs.loss({**chosen, layer: form}, new=layer)
-            trials.append(Trial(layer, form, float(rank[layer]), d.dnll, d.low, d.high, False, kl.kl, kl.low, kl.high, kl.top1))
-            if budget.holds(d, kl):
-                passing.append((budget.cost(d, kl), form, d, kl, len(trials) - 1, run))
-                if not try_both:
-                    break
-        misses = 0 if passing else misses + 1
-        if passing:
-            _, form, current, current_kl, index, run = min(passing, key=lambda p: p[0])
-            chosen[layer] = form
-            runs.accept(run)
-            trials[index] = dataclasses.replace(trials[index], kept=True)
-        tell("greedy selection", i + 1, len(candidates))
-    if stopped:
-        tell("greedy selection", len(candidates), len(candidates))  # the rest are not tried: the stage is done
-    return _Chosen(chosen, tuple(trials), current, current_kl, stopped)
-
-
-def _forms(layer: int, fits: dict[int, FitResult], try_both: bool) -> tuple[Form, ...]:
-    """The forms to try for a candidate, in order. Compensated first when it has a fix; plain after
-    it only with try_both, or when the fit does not lower the held-out defect (a bad fit)."""
-    f = fits.get(layer)
-    if f is None or f.fix is None:
-        return ("plain",)
-    return ("compensated", "plain") if try_both or f.residual is None or f.residual >= 1.0 else ("compensated",)
-
-
-def _refit(runs: Trials, fit_windows: Windows, chosen: _Chosen, fits: dict[int, FitResult], budget: Budget, fit: FitSettings,
+def _refit(runs: Trials, fit_windows: Windows, chosen: Chosen, fits: dict[int, FitResult], budget: Budget, fit: FitSettings,
            tell: Tell, work: Checkpoints) -> _Refit:
     """The chosen compensated blocks' fixes fitted again with every chosen block in place, and the chosen set's cost
     with them on the selection windows (the baseline run of `runs` reused); kept if that costs less."""
@@ -456,13 +353,13 @@ def _refit(runs: Trials, fit_windows: Windows, chosen: _Chosen, fits: dict[int, 
     new_fixes = fixes_of(new_fits)
     refitted = Trials(model, new_fixes, runs.windows, [], pool, options, baseline=runs, work=work.scope("refit-trials"))
     d, kl, _ = refitted.loss(chosen.forms)
-    kept = budget.cost(d, kl) < budget.cost(chosen.dnll, chosen.divergence)
+    kept = budget.cost(d.dnll, kl.kl) < budget.cost(chosen.dnll.dnll, chosen.divergence.kl)
     report = {"layers": sorted(again), "dnll_before": chosen.dnll.to_json(), "dnll_after": d.to_json(),
               "kl_before": chosen.divergence.to_json(), "kl_after": kl.to_json(), "kept": kept}
     return _Refit(report, fit_passes, refitted, new_fits, d, kl, again.seconds)
 
 
-def _selection(model: ir.Model, chosen: _Chosen, stats: dict[str, list[float | None]], fits: dict[int, FitResult], runs: Trials,
+def _selection(model: ir.Model, chosen: Chosen, stats: dict[str, list[float | None]], fits: dict[int, FitResult], runs: Trials,
                again: _Refit | None, *, fit_passes: int, requantize: str | None, **fields) -> Selection:
     """The Selection of the greedy's chosen set, with the refit's fixes and cost when it kept them; `fields`: the rest as they are."""
     dnll, divergence = chosen.dnll, chosen.divergence

@@ -16,6 +16,7 @@ from surgery.engine import runtime
 from surgery.engine.progress import Step
 from surgery.errors import SurgeryError
 from surgery.files import config, graph
+from surgery.files.checkpoint import checkpointable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,7 @@ def _warm(sessions, batch: int, seq_len: int, warmup: int, seed: int, bind: bool
     return prefill, decode, [runtime.placement(sess) for sess in sessions]
 
 
+@checkpointable
 @dataclasses.dataclass(frozen=True)
 class BranchTimes:
     """Per-block kernel time of the attention and mlp branches (ln included) in one prefill, ms."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from surgery.model.layers import format_layers
@@ -52,9 +53,14 @@ def lines(outcome, written: Path, budget, repeats: int) -> list[tuple[str, str]]
     resumed = [("resumed", "from the work folder's finished units: " + ", ".join(f"{k} {v}" for k, v in outcome.resumed.items()))] if outcome.resumed else []
     kept = outcome.checkpoints
     if kept.get("units"):
+        fate = "kept for --frontier-point" if outcome.frontier else "removed now the run is done"
         resumed.append(("checkpoints", f"{kept['units']} units written to {written.parent if written.name == 'model.onnx' else written}.work in "
-                                       f"{kept['seconds']:.1f} s ({kept['bytes'] / 2**20:.0f} MiB; removed now the run is done)"))
-    return lines + [("time", seconds), *resumed, ("written", f"{written} (+ selection.json, selection.png)")]
+                                       f"{kept['seconds']:.1f} s ({kept['bytes'] / 2**20:.0f} MiB; {fate})"))
+    if frontier := outcome.frontier:
+        lines.append(("frontier", f"{len(frontier['points'])} points, the budget's at {frontier['budget_point']}; {len(frontier['walk'])} trials past the budget; "
+                                  f"stopped: {frontier['stopped'] or 'at the budget'} (table below; frontier.json, frontier.png)"))
+    extra = "selection.json, selection.png" + (", frontier.json, frontier.png" if outcome.frontier else "")
+    return lines + [("time", seconds), *resumed, ("written", f"{written} (+ {extra})")]
 
 
 def _over_budget(outcome) -> str:
@@ -90,3 +96,29 @@ def _samples(part: dict) -> str:
     """What a part's share of the model's own samples means for its numbers (nothing without samples)."""
     k = part.get("sampled", 0)
     return f"; {k} of {part['count']} windows the model's own samples: KL and top-1 count them, loss and dNLL do not" if k else ""
+
+
+def frontier_cost(tasks, frontier) -> str:
+    """What --tasks will cost on a frontier, said before the work starts."""
+    names = [task.name for task in tasks.chosen()]
+    documents = f"the first {tasks.limit} documents" if tasks.limit else "every document"
+    return (f"frontier: task accuracy at every {frontier.every}th point and the budget's, each {len(names)} tasks ({', '.join(names)}) on "
+            f"{documents} of each, and the original's once: one task run per such point (--frontier-every, --task-limit)")
+
+
+def frontier_table(frontier: dict) -> list[str]:
+    """The frontier as lines of at most 80 characters: per point k, the block it adds, held-out KL and dNLL with their 95 %
+    intervals, top-1, the speed estimate (and measured prefill ratio) and the accuracy kept where measured."""
+    rows = [f"{'k':>2} {'block':>5}  {'KL [95 % CI]':<22} {'dNLL [95 % CI]':<25} {'top-1':>5} {'speed':>6} {'kept %':>7}"]
+    for p in frontier["points"]:
+        e = p["evaluation"]
+        kl_text = f"{e['kl']:.4f} [{e['kl_interval'][0]:.4f},{e['kl_interval'][1]:.4f}]"
+        dnll_text = f"{e['dnll']:+.4f} [{e['dnll_interval'][0]:+.4f},{e['dnll_interval'][1]:+.4f}]"
+        speed = p["speedup_measured"]["prefill"] if p["speedup_measured"] else p["speedup_estimate"]
+        kept = f"{100 * p['tasks']['kept'][0]:.1f}" if p["tasks"] else ""
+        mark = "*" if p["k"] == frontier["budget_point"] else " "
+        rows.append(f"{p['k']:>2} {p['layer']:>4}{p['form'][0]}{mark} {kl_text:<22} {dnll_text:<25} {100 * e['top1_agreement']:>5.1f} {speed:>5.3f}x {kept:>7}")
+    measured = "measured prefill ratio where --frontier-latency timed it, else the paper's estimate"
+    legend = (f"* the budget's point. Held-out windows, nats; block: the one each point adds (c compensated, p plain); speed: {measured}; "
+              f"kept: mean task accuracy, point / original. The walk stopped: {frontier['stopped'] or 'at the budget'}.")
+    return rows + textwrap.wrap(legend, 80)

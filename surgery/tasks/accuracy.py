@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from surgery.engine import runtime
 from surgery.engine.progress import Step, Tell, counter, silent
+from surgery.files.checkpoint import Checkpoints
 from surgery.tasks.catalog import Item, Task, arrow_file, items, parse
 from surgery.tasks.likelihood import Likelihood, check_like
 
@@ -154,3 +155,35 @@ def task_accuracy(models: Sequence[str | Path | ir.Model], names: Sequence[str],
                             for task, docs in zip(chosen, documents)))
         del likelihood
     return Comparison(tuple(names), tuple(scores), settings.like)
+
+
+class ScoreBook:
+    """Each model's Scores on `settings`' tasks, scored once by name: kept in memory and, with `work`, as a checkpoint
+    unit per model (a resumed run reads them back). The main job's original and rewritten model, and every measured
+    point of a frontier, take their scores from one book."""
+
+    def __init__(self, settings: TaskSettings, options: runtime.Options = runtime.Options(), progress: Tell | None = None,
+                 folder: str | Path | None = None, work: Checkpoints | None = None):
+        self.settings, self.options, self.tell, self.folder = settings, options, progress or silent, folder
+        self.work = work or Checkpoints.off()
+        self.unit = "+".join(task.name for task in settings.chosen()) + f"-{settings.limit or 'all'}-{settings.like}"
+        self.book: dict[str, tuple[Scores, ...]] = {}
+
+    def scores(self, model: str | Path | ir.Model, name: str) -> tuple[Scores, ...]:
+        """`model`'s Scores on every task, scored now or read back (from this book, or from the work folder)."""
+        if name not in self.book:
+            unit = f"{self.unit}/{name}"
+            saved = self.work.load(unit)
+            if saved is None:
+                scored = task_accuracy([model], [name], self.settings, self.options, self.tell, self.folder).scores[0]
+                self.work.save(unit, {s.task.name: {"ll": s.loglikelihoods, "gold": s.gold, "lengths": s.lengths, "seconds": s.seconds}
+                                      for s in scored})
+            else:
+                scored = tuple(Scores(task, tuple(saved[task.name]["ll"]), saved[task.name]["gold"], tuple(saved[task.name]["lengths"]),
+                                      saved[task.name]["seconds"]) for task in self.settings.chosen())
+            self.book[name] = scored
+        return self.book[name]
+
+    def compare(self, names: Sequence[str]) -> Comparison:
+        """The Comparison of models already scored, the first the baseline."""
+        return Comparison(tuple(names), tuple(self.book[n] for n in names), self.settings.like)
