@@ -164,8 +164,8 @@ def _count_options():
 def test_the_count_options_are_found_where_they_are_declared():
     found = {(name, flag) for name, flag, _ in _count_options()}
     assert {("parallelize", "--fit-windows"), ("parallelize", "--patience"), ("evaluate", "--warmup"), ("export", "--opset"),
-            ("evaluate", "--limit"), ("parallelize", "--task-limit")} <= found
-    assert len(found) == 24
+            ("evaluate", "--limit"), ("parallelize", "--task-limit"), ("parallelize", "--frontier-every"), ("parallelize", "--frontier-point")} <= found
+    assert len(found) == 27
 
 
 @pytest.mark.parametrize("name,flag,least", _count_options())
