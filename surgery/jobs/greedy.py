@@ -8,9 +8,10 @@ The walk (`walk`, `--frontier`) goes on from the greedy's set past the budget, o
 step adds the remaining candidate whose trial costs least on top of the set so far (Budget.cost: KL when limited). It
 is lazy: a candidate's cost on top of an earlier set (a missed trial of the greedy, or of an earlier step) stands for
 its cost now until it is the cheapest, then it is measured again, and kept when it still costs no more than every
-other's standing cost; so a step usually costs one or two trials, not one per candidate. Candidates never tried are
-measured first. Where adding blocks only makes the others cost more (the usual case) this is the same choice as trying
-every candidate at every step. Points 1..k of a frontier whose greedy chose k blocks are the greedy's: the main job's
+other's standing cost; so a step usually costs one or two trials, not one per candidate. A candidate the greedy never
+tried (it stopped first: they rank after the tried ones) stands at the highest cost the greedy saw. Where adding blocks
+only makes the others cost more (the usual case), and an untried candidate costs no less than the tried ones, this is
+the same choice as trying every candidate at every step. Points 1..k of a frontier whose greedy chose k blocks are the greedy's: the main job's
 set is on the frontier.
 """
 
@@ -191,6 +192,9 @@ def walk(runs: Trials, candidates: list[int], rank: list[float | None], fits: di
         elif t.layer not in standing or cost(t) - level < standing[t.layer][0]:
             standing[t.layer] = (cost(t) - level, -1)  # measured again before it is kept: its run is gone
     order = {layer: i for i, layer in enumerate(candidates)}
+    if standing:  # a candidate the greedy never tried ranks after every tried one: it stands at their highest cost until measured
+        highest = max(c for c, _ in standing.values())
+        standing |= {l: (highest, -1) for l in candidates if l not in forms and l not in standing}
     trials: list[Trial] = []
     best: tuple[int, dict, Delta, statistics.Divergence] | None = None  # the cheapest trial on top of the current set: its index, run, cost
     last = (None, None)  # the last point's dNLL and KL
@@ -202,7 +206,7 @@ def walk(runs: Trials, candidates: list[int], rank: list[float | None], fits: di
         if not left:
             stopped = "every candidate is chosen"
             break
-        layer = min(left, key=lambda l: (l in standing, standing.get(l, (0.0,))[0], order[l]))  # never tried first, in rank order
+        layer = min(left, key=lambda l: (l in standing, standing.get(l, (0.0,))[0], order[l]))  # never tried at all first, in rank order
         if standing.get(layer, (0.0, -1))[1] != version:  # its cost is of an older set: measure it on top of this one
             for form in forms_to_try(layer, fits, try_both):
                 d, kl, run = runs.loss({**forms, layer: form}, new=layer)

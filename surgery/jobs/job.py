@@ -181,20 +181,20 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
         with settings.resources.pool() as pool:
             selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, settings=greedy, options=options, progress=tell, pool=pool, work=work)
             rewritten = parallel_form(subject, selection.layers, fused=settings.fused, fixes=selection.fixes).model
-            base, after, seconds = _evaluation(model, rewritten, ev, options, tell, point)
-            seq_len = settings.data.seq_len
+            seq_len, seconds = settings.data.seq_len, {}
             times = _branch_times(subject, seq_len, options, work)
-            prefill, decode, timed = _latency(model, rewritten, seq_len, settings.latency, options, tell) if settings.latency.measure else (None,) * 3
             book = accuracy.ScoreBook(settings.tasks, options, tell, graph.resolve(model_path).parent, work.scope("tasks")) if settings.tasks else None
             walked = None
             if frontier is not None and frontier.point is None:
                 start = time.perf_counter()
                 walked = _frontier(subject, selection, ev, settings, times, book, pool, tell, work)
                 seconds["frontier"] = time.perf_counter() - start
+            held_out = _held_out(walked) if walked is not None and walked.budget_point else _evaluation(model, rewritten, ev, options, tell, point, seconds)
+            prefill, decode, timed = _latency(model, rewritten, seq_len, settings.latency, options, tell) if settings.latency.measure else (None,) * 3
         tasks = _tasks(model, rewritten, book, len(selection.layers) if frontier else None, seconds) if book else None
         outcome = Outcome(
-            selection=selection, form=selection.describe(settings.fused), base_loss_eval=base.loss, dnll_eval=statistics.delta(base, after),
-            eval_tokens=ev.tokens, divergence_eval=statistics.divergence(after, base), estimated_speedup=times.estimated_speedup(selection.layers),
+            selection=selection, form=selection.describe(settings.fused), base_loss_eval=held_out[0], dnll_eval=held_out[1],
+            eval_tokens=ev.tokens, divergence_eval=held_out[2], estimated_speedup=times.estimated_speedup(selection.layers),
             prefill_ratio=prefill, decode_ratio=decode, latency=timed,
             windows={name: w.describe() for name, w in (("fit", fit_part), ("selection", sel), ("evaluation", ev)) if w is not None},
             estimate_placement=str(times.placement), resumed=work.resumed(), seconds=seconds, checkpoints=work.cost, tasks=tasks,
@@ -241,16 +241,26 @@ def _write(outcome: Outcome, rewritten: ir.Model, out, model_path) -> Path:
     return graph.write(rewritten, out, like=model_path, extra=extra)
 
 
-def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options: runtime.Options, tell: Tell, work: Checkpoints
-                ) -> tuple[statistics.Perplexity, statistics.Perplexity, dict[str, float]]:
-    """The original's and the rewritten model's scores on the evaluation windows (a checkpoint unit), and the seconds
-    they took. Sessions of models in memory hand their weights to ORT without serializing them (runtime.session)."""
+def _evaluation(model: ir.Model, rewritten: ir.Model, ev: data.Windows, options: runtime.Options, tell: Tell, work: Checkpoints,
+                seconds: dict[str, float]) -> tuple[float, Delta, statistics.Divergence]:
+    """The original's loss on the evaluation windows and the rewritten model's dNLL and KL against it (the scores a
+    checkpoint unit); adds the seconds they took to `seconds`. Sessions of models in memory hand their weights to ORT
+    without serializing them (runtime.session)."""
     start = time.perf_counter()
     if (scored := work.load("evaluation")) is None:
         step = counter(tell, "evaluation windows", 2 * len(ev))
         scored = scoring.compare([model, rewritten], ev, options=options, progress=lambda i, n: step(n))
         work.save("evaluation", scored)
-    return *scored, {"evaluation": time.perf_counter() - start}
+    base, after = scored
+    seconds["evaluation"] = time.perf_counter() - start
+    return base.loss, statistics.delta(base, after), statistics.divergence(after, base)
+
+
+def _held_out(frontier: measured_frontier.Frontier) -> tuple[float, Delta, statistics.Divergence]:
+    """The budget's point on the evaluation windows, as the frontier measured it (the same numbers as `_evaluation`'s
+    to 1e-6: tests/test_frontier.py), so the main job does not score it again."""
+    point = frontier.points[frontier.budget_point - 1]
+    return frontier.base_loss, point.dnll, point.divergence
 
 
 def _tasks(model: ir.Model, rewritten: ir.Model, book: accuracy.ScoreBook, point: int | None, seconds: dict[str, float]) -> dict:

@@ -123,6 +123,7 @@ def frontier_picture(frontier: dict) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     s = frontier_series(frontier)
     fig, (quality, trade) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
@@ -152,6 +153,7 @@ def frontier_picture(frontier: dict) -> bytes:
     else:
         trade.text(0.02, 0.5, "no task accuracy measured (--tasks)", transform=trade.transAxes, fontsize=8, color="gray")
     trade.set(xlabel="blocks rewritten (point k)", ylabel="accuracy kept, %")
+    trade.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     handles = [h for ax in (trade, speed) for h in ax.get_legend_handles_labels()[0]]
     trade.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="lower left")
     fig.suptitle(f"surgery parallelize --frontier: {len(frontier['points'])} points; stopped: {frontier['stopped'] or 'at the budget'}", fontsize=9)

@@ -264,7 +264,8 @@ def select_layers(
     runs = Trials(model, fixes_of(fits), windows, candidates, pool, options, work=work.scope("trials"))
     frontier, walked = settings.frontier, None
     point = frontier.point if frontier else None
-    chosen = greedy(runs, candidates, rank, fits, dataclasses.replace(settings, max_layers=point) if point else settings, tell)
+    most = min(point, settings.max_layers or point) if point else settings.max_layers  # the greedy's part of point `point`
+    chosen = greedy(runs, candidates, rank, fits, dataclasses.replace(settings, max_layers=most), tell)
     seconds["selection"] = time.perf_counter() - start
     if frontier is not None and (point is None or point > len(chosen.forms)):
         start = time.perf_counter()

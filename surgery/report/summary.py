@@ -117,7 +117,7 @@ def frontier_table(frontier: dict) -> list[str]:
         speed = p["speedup_measured"]["prefill"] if p["speedup_measured"] else p["speedup_estimate"]
         kept = f"{100 * p['tasks']['kept'][0]:.1f}" if p["tasks"] else ""
         mark = "*" if p["k"] == frontier["budget_point"] else " "
-        rows.append(f"{p['k']:>2} {p['layer']:>4}{p['form'][0]}{mark} {kl_text:<22} {dnll_text:<25} {100 * e['top1_agreement']:>5.1f} {speed:>5.3f}x {kept:>7}")
+        rows.append(f"{p['k']:>2} {p['layer']:>4}{p['form'][0]}{mark} {kl_text:<22} {dnll_text:<25} {100 * e['top1_agreement']:>5.1f} {speed:>5.3f}x {kept:>7}".rstrip())
     measured = "measured prefill ratio where --frontier-latency timed it, else the paper's estimate"
     legend = (f"* the budget's point. Held-out windows, nats; block: the one each point adds (c compensated, p plain); speed: {measured}; "
               f"kept: mean task accuracy, point / original. The walk stopped: {frontier['stopped'] or 'at the budget'}.")
