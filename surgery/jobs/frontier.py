@@ -130,7 +130,7 @@ class Measures:
     times: BranchTimes
     graph: Callable[[dict[int, Form]], ir.Model]  # the rewritten model of a set of blocks and forms
     book: ScoreBook | None = None  # --tasks
-    latency: Callable[[ir.Model], dict] | None = None  # original / this graph: {"prefill": x, "decode": y}
+    latency: Callable[[ir.Model], dict] | None = None  # --frontier-latency: original / this graph, {"prefill": x, "decode": y}
 
 
 def path(selection) -> tuple[Trial, ...]:
@@ -147,7 +147,6 @@ def measure(selection, windows: Windows, settings: FrontierSettings, measures: M
     budget_point = len(selection.layers)
     runs = Trials(measures.subject, fixes_of(selection.fits), windows, sorted({t.layer for t in steps}), pool, options,
                   work=work.scope("frontier"))
-    names = ["original"] if measures.book else []
     if measures.book:
         measures.book.scores(measures.subject.model, "original")
     points, forms = [], {}
@@ -156,12 +155,12 @@ def measure(selection, windows: Windows, settings: FrontierSettings, measures: M
         d, kl, run = runs.loss(forms, new=step.layer)
         runs.accept(run)
         latency = tasks = None
-        if settings.measured(k, budget_point) and (measures.book or (settings.latency and measures.latency)):
+        if settings.measured(k, budget_point) and (measures.book or measures.latency):
             rewritten = measures.graph(forms)
             if measures.book:
                 measures.book.scores(rewritten, f"point-{k}")
-                tasks = _tasks(measures.book.compare([*names, f"point-{k}"]))
-            if settings.latency and measures.latency:
+                tasks = _tasks(measures.book.compare(["original", f"point-{k}"]))
+            if measures.latency:
                 latency = measures.latency(rewritten)
         points.append(Point(k, dict(sorted(forms.items())), step, d, kl, measures.times.estimated_speedup(forms), latency, tasks))
         tell("frontier points", k, len(steps))

@@ -177,7 +177,7 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
     with _work(out, model_path, model, parts, settings) as work:  # released however auto ends
         if frontier is not None and frontier.point is not None and frontier.point > (reached := measured_frontier.reached(frontier.of, work)):
             raise SurgeryError(f"--frontier-point {frontier.point}: the frontier of {frontier.of} reached {reached} points; choose one of 1..{reached}")
-        point = work.scope(f"point-{frontier.point}") if frontier is not None and frontier.point else work  # its own units beside the frontier's
+        own = work.scope(f"point-{frontier.point}") if frontier is not None and frontier.point else work  # a point's units beside its frontier's
         with settings.resources.pool() as pool:
             selection = select_layers(subject, sel, fit_windows=fit_part, fit=fit, settings=greedy, options=options, progress=tell, pool=pool, work=work)
             rewritten = parallel_form(subject, selection.layers, fused=settings.fused, fixes=selection.fixes).model
@@ -189,7 +189,7 @@ def auto(model_path: str | Path, out: str | Path, settings: JobSettings = JobSet
                 start = time.perf_counter()
                 walked = _frontier(subject, selection, ev, settings, times, book, pool, tell, work)
                 seconds["frontier"] = time.perf_counter() - start
-            held_out = _held_out(walked) if walked is not None and walked.budget_point else _evaluation(model, rewritten, ev, options, tell, point, seconds)
+            held_out = _held_out(walked) if walked is not None and walked.budget_point else _evaluation(model, rewritten, ev, options, tell, own, seconds)
             prefill, decode, timed = _latency(model, rewritten, seq_len, settings.latency, options, tell) if settings.latency.measure else (None,) * 3
         tasks = _tasks(model, rewritten, book, len(selection.layers) if frontier else None, seconds) if book else None
         outcome = Outcome(
