@@ -225,7 +225,8 @@ def walk(runs: Trials, candidates: list[int], rank: list[float | None], fits: di
         runs.accept(run)
         forms[t.layer], level, version, best, last = t.form, cost(t), version + 1, None, numbers
         standing.pop(t.layer)
-        tell("frontier walk", len(forms), most or len(candidates))
-    tell("frontier walk", 1, 1)
+        if len(forms) < (most or len(candidates)):
+            tell("frontier walk", len(forms), most or len(candidates))
+    tell("frontier walk", most or len(candidates), most or len(candidates))  # the stage is done, however the walk stopped
     return Walk(tuple(trials), stopped, *last)
 
