@@ -295,7 +295,9 @@ def parallelize(
 
     explicit = layers.strip().lower() != "auto"
     if explicit and (wrong := [flag for flag, on in (("--workers", workers), ("--ray", ray), ("--tasks", tasks), ("--frontier", frontier or frontier_point)) if on]):
-        raise SurgeryError(f"{' and '.join(wrong)} go with --layers auto; drop them for explicit --layers (then `surgery evaluate MODEL OUT --tasks ...`)")
+        one = len(wrong) == 1
+        raise SurgeryError(f"{' and '.join(wrong)} go{'es' if one else ''} with --layers auto; drop {'it' if one else 'them'} for explicit --layers "
+                           "(then `surgery evaluate MODEL OUT --tasks ...`)")
     kind = fit_kind(compensate, calibrate, auto=not explicit)
     checked = FitSettings(kind=kind or "full", windows=fit_windows, memory=fit_memory, requantize=requantize, input_fix=input_fix)  # even unused
     fit = checked if kind is not None else None
@@ -307,6 +309,8 @@ def parallelize(
     task_settings = None if tasks is None else TaskSettings(tasks, task_limit)
     walk = (FrontierSettings(ceiling(frontier_max_kl), frontier_max_layers, frontier_every, frontier_latency, frontier_point, frontier_of)
             if frontier or frontier_point else None)
+    if walk is None and (frontier_max_kl != "0.5" or frontier_max_layers or frontier_every != 4 or frontier_latency or frontier_of):
+        raise SurgeryError("the --frontier-... options go with --frontier (or --frontier-point); add it, or drop them")
     if explicit:
         _print_changes(*parallelize_file(model, out_path, layers, fit, fuse, source, options), as_json)
         return

@@ -28,7 +28,7 @@ from tests.test_checkpoint import _cli, _killed_at
 LAYERS = 6
 # A budget the greedy fills after a few blocks, then the walk to the last block (the ceiling off).
 JOB = ["--seq-len", "32", "--fit-windows", "8", "--windows", "8", "--eval-windows", "4", "--no-latency", "--max-kl", "0.00004",
-       "--max-loss-increase", "none", "--patience", "2", "--frontier-max-kl", "none"]
+       "--max-loss-increase", "none", "--patience", "2", "--frontier-max-kl", "none"]  # the last two: the frontier's
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_the_frontier_runs_from_one_block_past_the_budget_and_its_budget_point_i
     assert checkpoint.work_folder(frontier).is_dir()  # kept for --frontier-point
     # Without --frontier the main job writes the budget's point: the same model and the same chosen set.
     plain = tmp_path / "plain"
-    done = _cli(["parallelize", str(model), "-o", str(plain), *JOB])
+    done = _cli(["parallelize", str(model), "-o", str(plain), *JOB[:-2]])  # without --frontier-max-kl
     assert done.returncode == 0, done.stderr
     assert (plain / "model.onnx").read_bytes() == (frontier / "model.onnx").read_bytes()
     chosen = json.loads((plain / "selection.json").read_text())["selection"]["layers"]
@@ -200,3 +200,13 @@ def test_the_task_accuracy_of_a_measured_point_is_its_graph_against_the_original
     assert record["tasks"]["original"] == {s.task.name: s.accuracy(s.task.headline) for s in compared.scores[0]}
     budget = record["points"][record["budget_point"] - 1]["tasks"]
     assert report["tasks"]["kept"][0]["kept"] == pytest.approx(budget["kept"][0], abs=1e-12)  # the summary's: the budget's point
+
+
+def test_a_frontier_option_without_the_frontier_is_refused_before_any_work(model, tmp_path):
+    done = _cli(["parallelize", str(model), "-o", str(tmp_path / "out"), *JOB[:-2], "--frontier-max-layers", "3"])
+    assert done.returncode == 1 and said(done.stderr) == [
+        "error: the --frontier-... options go with --frontier (or --frontier-point); add it, or drop them"]
+    explicit = _cli(["parallelize", str(model), "-o", str(tmp_path / "out"), "--layers", "1", "--frontier"])
+    assert explicit.returncode == 1 and said(explicit.stderr) == [
+        "error: --frontier goes with --layers auto; drop it for explicit --layers (then `surgery evaluate MODEL OUT --tasks ...`)"]
+    assert not (tmp_path / "out").exists()
