@@ -53,8 +53,8 @@ def falls(frontier: dict) -> str:
     for level in (0.99, 0.95):
         point = next((p["k"] for p in measured if p["tasks"]["kept"][0] < level), None)
         upper = next((p["k"] for p in measured if p["tasks"]["kept"][2] < level), None)
-        words.append(f"below {100 * level:.0f} %: point estimate first at k={point or 'none measured'}, "
-                     f"whole interval first at k={upper or 'none measured'}")
+        words.append(f"below {100 * level:.0f} %: the point estimate first at {f'k={point}' if point else 'no measured point'}, "
+                     f"the whole interval first at {f'k={upper}' if upper else 'no measured point'}")
     return "; ".join(words)
 
 
