@@ -102,8 +102,9 @@ def frontier_cost(tasks, frontier) -> str:
     """What --tasks will cost on a frontier, said before the work starts."""
     names = [task.name for task in tasks.chosen()]
     documents = f"the first {tasks.limit} documents" if tasks.limit else "every document"
-    return (f"frontier: task accuracy at every {frontier.every}th point and the budget's, each {len(names)} tasks ({', '.join(names)}) on "
-            f"{documents} of each, and the original's once: one task run per such point (--frontier-every, --task-limit)")
+    every = "every point" if frontier.every == 1 else f"points {frontier.every}, {2 * frontier.every}, {3 * frontier.every}, ..."
+    return (f"frontier: task accuracy at {every} and the budget's: {len(names)} tasks ({', '.join(names)}) on {documents} of each, "
+            "one run per such point, and the original's once (--frontier-every, --task-limit)")
 
 
 def frontier_table(frontier: dict) -> list[str]:
