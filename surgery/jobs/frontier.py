@@ -168,19 +168,16 @@ def measure(selection, windows: Windows, settings: FrontierSettings, measures: M
     walk = selection.walk
     task_info = None
     if measures.book:
-        original = measures.book.book["original"]
-        task_info = {"names": [s.task.name for s in original], "documents": {s.task.name: len(s.gold) for s in original},
-                     "like": measures.book.settings.like, "original": {s.task.name: s.accuracy(s.task.headline) for s in original}}
+        original = measures.book.compare(["original"])
+        task_info = {"names": [t.name for t in original.tasks], "documents": {s.task.name: len(s.gold) for s in original.scores[0]},
+                     "like": original.like, "original": original.headline(0)}
     return Frontier(tuple(points), budget_point, dataclasses.asdict(selection.budget), {"max_kl": settings.max_kl, "max_layers": settings.max_layers},
                     walk.stopped if walk else "", walk.trials if walk else (), runs.base.loss, windows.tokens, task_info)
 
 
 def _tasks(compared) -> dict:
     """A point's task accuracy against the original's: the accuracy kept with its interval, the mean, and each task's."""
-    kept = compared.kept(1)
-    scores = compared.scores[1]
-    return {"kept": list(kept), "average": sum(s.accuracy(s.task.headline) for s in scores) / len(scores),
-            "accuracy": {s.task.name: s.accuracy(s.task.headline) for s in scores}}
+    return {"kept": list(compared.kept(1)), "average": compared.average(1), "accuracy": compared.headline(1)}
 
 
 def reached(of: Path, work: Checkpoints) -> int:

@@ -118,6 +118,14 @@ class Comparison:
     def tasks(self) -> tuple[Task, ...]:
         return tuple(s.task for s in self.scores[0])
 
+    def headline(self, model: int) -> dict[str, float]:
+        """Model `model`'s (index) headline accuracy on each task, by task name."""
+        return {s.task.name: s.accuracy(s.task.headline) for s in self.scores[model]}
+
+    def average(self, model: int) -> float:
+        """The mean over tasks of model `model`'s headline accuracy (what `kept` divides)."""
+        return float(np.mean(list(self.headline(model).values())))
+
     def kept(self, model: int) -> tuple[float, float, float]:
         """Accuracy kept by model `model` (index) against the first, with its interval."""
         return kept([s.correct(s.task.headline) for s in self.scores[0]], [s.correct(s.task.headline) for s in self.scores[model]])
@@ -136,7 +144,7 @@ class Comparison:
                                          for metric in task.metrics}
                 models.append(entry)
             tasks[task.name] = {"documents": len(base.gold), "headline": task.headline, "models": models}
-        average = [float(np.mean([s.accuracy(s.task.headline) for s in scores])) for scores in self.scores]
+        average = [self.average(m) for m in range(len(self.names))]
         kept_rows = [dict(zip(("name", "kept", "low", "high"), (name, *self.kept(m)))) for m, name in enumerate(self.names) if m]
         return {"tasks": tasks, "average": dict(zip(self.names, average)), "kept": kept_rows, "like": self.like}
 
