@@ -291,11 +291,14 @@ def feeds(
     input_ids: np.ndarray,
     past: dict[str, np.ndarray] | None = None,
     extra: dict[str, np.ndarray] | None = None,
+    mask: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Inputs for one forward pass of `input_ids` after an optional KV cache (`past`, by input name).
 
-    Without `past` the cache is empty; the mask is all ones and positions continue after the cache.
-    `extra` feeds inputs that surgery added itself (such as the scoring graph's targets).
+    Without `past` the cache is empty. mask: the attention mask over the cache and the new tokens, [batch, past + new]
+    (zeros over cache positions a row does not own), each row's positions counted from its ones; without it the mask is
+    all ones and positions continue after the cache. `extra` feeds inputs that surgery added itself (such as the scoring
+    graph's targets).
     """
     extra = extra or {}
     batch, length = input_ids.shape
@@ -307,7 +310,9 @@ def feeds(
         elif arg.name == "input_ids":
             out[arg.name] = input_ids.astype(np.int64)
         elif arg.name == "attention_mask":
-            out[arg.name] = np.ones((batch, past_len + length), dtype=np.int64)
+            out[arg.name] = np.ones((batch, past_len + length), dtype=np.int64) if mask is None else mask
+        elif arg.name == "position_ids" and mask is not None:
+            out[arg.name] = np.cumsum(mask, axis=1)[:, past_len:] - 1
         elif arg.name == "position_ids":
             positions = np.arange(past_len, past_len + length, dtype=np.int64)
             out[arg.name] = np.broadcast_to(positions, (batch, length)).copy()

@@ -16,13 +16,15 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from surgery.engine import runtime
 from surgery.engine.progress import Step
 from surgery.errors import SurgeryError
-from surgery.files import graph
+from surgery.files import graph, ops
 from surgery.measure.statistics import Perplexity, from_sums, joined
 from surgery.text.data import Windows
 
 TARGETS, NLL = "surgery_targets", "surgery_nll"
 LOGPROBS, TOP1 = "surgery_logprobs", "surgery_top1"  # every scoring graph's next-token distribution and its argmax
 REFERENCE, KL = "surgery_reference", "surgery_kl"  # a comparing graph's input (the first model's log-probs) and KL_t
+POSITIONS = "surgery_positions"  # a selecting graph's input: the flat positions it scores
+BLOCK = 256  # vocabulary entries whose exponentials are summed first (_log_softmax)
 
 
 
@@ -36,27 +38,33 @@ class Reference:
 
 
 
-def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False) -> ir.Model:
+def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False, select: bool = False) -> ir.Model:
     """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs `surgery_nll` [batch, seq]: -log softmax(logits)[target], so one number per token
     leaves the session; then `surgery_logprobs` [batch, seq, vocab] (fetched only for a reference) and `surgery_top1` [batch, seq]; then the outputs named in
     `keep`. compare: also take `surgery_reference` [batch, seq, vocab] (the first model's log-probs) and output `surgery_kl` [batch, seq] = sum_v exp(ref)
-    (ref - logprobs), so the vocabulary never leaves the session."""
+    (ref - logprobs), so the vocabulary never leaves the session. select: also take `surgery_positions` [n], flat indices
+    (row * seq + position) of the positions scored: the vocabulary projection runs on those only (_select), and targets
+    and the per-token outputs are [1, n]."""
     model = model.clone()
     g = model.graph
     logits = next((v for v in g.outputs if v.name == "logits"), None)
     if logits is None:
         names = ", ".join(v.name for v in g.outputs)
         raise SurgeryError(f"the graph has no `logits` output (it has {names}); evaluate needs a causal LM from `surgery export`")
-    targets = ir.Value(name=TARGETS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch_size", "sequence_length"]))
+    per_token = ir.Shape([1, "positions"] if select else ["batch_size", "sequence_length"])
+    targets = ir.Value(name=TARGETS, type=ir.TensorType(ir.DataType.INT64), shape=per_token)
     axis = ir.Value(name="surgery/evaluate/last_axis", const_value=ir.tensor(np.array([-1], np.int64), name="surgery/evaluate/last_axis"))
     g.register_initializer(axis)
+    vocab = logits.shape[-1] if logits.shape is not None else None
     scores = logits
+    if select:
+        g.inputs.append(ir.Value(name=POSITIONS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["positions"])))
+        scores = _select(g, logits, g.inputs[-1])
     nodes = []
     if logits.dtype not in (None, ir.DataType.FLOAT):
-        nodes.append(ir.node("Cast", [logits], attributes={"to": ir.DataType.FLOAT}))
+        nodes.append(ir.node("Cast", [scores], attributes={"to": ir.DataType.FLOAT}))
         scores = nodes[-1].outputs[0]
-    nodes.append(ir.node("LogSoftmax", [scores], attributes={"axis": -1}))
-    logprobs = nodes[-1].outputs[0]
+    logprobs = _log_softmax(g, nodes, scores, vocab, axis)
     nodes.append(ir.node("Unsqueeze", [targets, axis]))
     nodes.append(ir.node("GatherElements", [logprobs, nodes[-1].outputs[0]], attributes={"axis": -1}))
     nodes.append(ir.node("Squeeze", [nodes[-1].outputs[0], axis]))
@@ -64,7 +72,6 @@ def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = Fal
     nll = nodes[-1].outputs[0]
     nodes.append(ir.node("ArgMax", [logprobs], attributes={"axis": -1, "keepdims": 0}))
     top1 = nodes[-1].outputs[0]
-    per_token = ir.Shape(["batch_size", "sequence_length"])
     outputs = [(nll, NLL, ir.DataType.FLOAT, per_token), (logprobs, LOGPROBS, ir.DataType.FLOAT, ir.Shape([*per_token, "vocab"])),
                (top1, TOP1, ir.DataType.INT64, per_token)]
     if compare:
@@ -86,6 +93,67 @@ def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = Fal
     g.outputs.extend([v for v, *_ in outputs] + kept)
     RemoveUnusedNodesPass()(model)  # drops the KV cache outputs' own nodes
     return model
+
+
+def _select(g: ir.Graph, logits: ir.Value, positions: ir.Value) -> ir.Value:
+    """The rows `positions` of the logits as [batch * seq, vocab], as [1, n, vocab]: the vocabulary projection that makes
+    them (through Casts) reads those rows of its hidden states only (`logits` itself is then that value), or, where it
+    reads no [batch, seq, hidden] tensor, the logits are gathered."""
+    node, chain = logits.producer(), [logits]
+    while node is not None and node.op_type in ("Cast", "Identity"):
+        chain.append(node.inputs[0])
+        node = node.inputs[0].producer()
+    head = node is not None and node.op_type in ops.PROJECTIONS and node.inputs[0].shape is not None and len(node.inputs[0].shape) == 3
+    source = node.inputs[0] if head else logits
+    flat = ir.node("Flatten", [source], attributes={"axis": 2})
+    picked = ir.node("Gather", [flat.outputs[0], positions], attributes={"axis": 0})
+    zero = _constant(g, "first_axis", np.array([0], np.int64))
+    one_row = ir.node("Unsqueeze", [picked.outputs[0], zero])
+    added = [flat, picked, one_row]
+    for i, new in enumerate(added):
+        new.name = new.outputs[0].name = f"surgery/select/{i}_{new.op_type}"
+    if not head:
+        g.insert_after(logits.producer(), added)
+        return one_row.outputs[0]
+    g.insert_before(node, added)
+    node.replace_input_with(0, one_row.outputs[0])
+    for value in chain:
+        value.shape = None
+    return logits
+
+
+def _log_softmax(g: ir.Graph, nodes: list[ir.Node], scores: ir.Value, vocab, axis: ir.Value) -> ir.Value:
+    """log softmax over the vocabulary, its sum of exponentials taken in blocks of BLOCK (or in float64 where the
+    vocabulary's size is not declared): ONNX Runtime's float LogSoftmax adds 49152 terms in one float accumulator and
+    on SmolLM2's logits gives log-probabilities 1.8e-5 too high on average (a bias, not noise; NumPy's pairwise sum and
+    lm-eval's log softmax have none), which summed over a 100-token continuation is 1e-3 nats. Appends to `nodes`."""
+    top = ir.node("ReduceMax", [scores, axis], attributes={"keepdims": 1})
+    shifted = ir.node("Sub", [scores, top.outputs[0]])
+    exp = ir.node("Exp", [shifted.outputs[0]])
+    nodes += [top, shifted, exp]
+    terms = exp.outputs[0]
+    if isinstance(vocab, int):
+        if vocab % BLOCK:
+            pads = _constant(g, "pads", np.array([0, 0, 0, 0, 0, BLOCK - vocab % BLOCK], np.int64))
+            nodes.append(ir.node("Pad", [terms, pads]))  # zeros: nothing added to the sum
+            terms = nodes[-1].outputs[0]
+        nodes.append(ir.node("Reshape", [terms, _constant(g, "blocks", np.array([0, 0, -1, BLOCK], np.int64))]))
+        nodes.append(ir.node("ReduceSum", [nodes[-1].outputs[0], axis], attributes={"keepdims": 0}))
+        nodes.append(ir.node("ReduceSum", [nodes[-1].outputs[0], axis], attributes={"keepdims": 1}))
+        nodes.append(ir.node("Log", [nodes[-1].outputs[0]]))
+    else:
+        nodes.append(ir.node("Cast", [terms], attributes={"to": ir.DataType.DOUBLE}))
+        nodes.append(ir.node("ReduceSum", [nodes[-1].outputs[0], axis], attributes={"keepdims": 1}))
+        nodes.append(ir.node("Log", [nodes[-1].outputs[0]]))
+        nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], attributes={"to": ir.DataType.FLOAT}))
+    nodes.append(ir.node("Sub", [shifted.outputs[0], nodes[-1].outputs[0]]))
+    return nodes[-1].outputs[0]
+
+
+def _constant(g: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=f"surgery/evaluate/{name}", const_value=ir.tensor(array, name=f"surgery/evaluate/{name}"))
+    g.register_initializer(value)
+    return value
 
 
 class Scorer:

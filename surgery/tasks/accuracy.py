@@ -24,6 +24,7 @@ from surgery.tasks.catalog import Item, Task, arrow_file, items, parse
 from surgery.tasks.likelihood import Likelihood, check_like
 
 RESAMPLES = 2000
+DOCUMENTS = 128  # documents scored in one call, whose runs batch together (likelihood.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,15 @@ class Scores:
 
 
 def score(likelihood: Likelihood, task: Task, documents: Sequence[Item], progress: Step | None = None) -> Scores:
-    """`task`'s documents under one model; progress(n) after n more documents."""
+    """`task`'s documents under one model, DOCUMENTS at a time; progress(n) after n more documents."""
     start = time.perf_counter()
     lls = []
-    for item in documents:
-        lls.append(np.array([ll for ll, _ in likelihood(item.pairs)]))
+    for lo in range(0, len(documents), DOCUMENTS):
+        chunk = documents[lo : lo + DOCUMENTS]
+        got = iter(likelihood([pair for item in chunk for pair in item.pairs]))
+        lls += [np.array([next(got)[0] for _ in item.pairs]) for item in chunk]
         if progress:
-            progress(1)
+            progress(len(chunk))
     return Scores(task, tuple(lls), np.array([item.gold for item in documents]),
                   tuple(np.array([float(len(c)) for c in item.choices]) for item in documents), time.perf_counter() - start)
 

@@ -24,14 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import yaml
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from surgery.engine import runtime
-from surgery.measure.scoring import TARGETS, TOP1
 from surgery.tasks import catalog
 from surgery.tasks.likelihood import Likelihood
 
@@ -87,18 +85,13 @@ def greedy(scorer: Likelihood, context: list[int], steps: int, done) -> list[int
     """Up to `steps` tokens after `context`, each the most likely (the scoring graph's top-1), with the graph's KV cache
     when it has one; stops when done(tokens so far) is true."""
     made: list[int] = []
-    ids, past = np.array([context], np.int64), None
+    ids, past = context, None
     for _ in range(steps):
-        feed = runtime.feeds(scorer.session, ids, past, extra={TARGETS: np.zeros_like(ids)})
-        top1, *presents = scorer.session.run([TOP1, *(scorer.presents if scorer.cached else [])], feed)
-        made.append(int(top1[0, -1]))
+        token, past = scorer.next_token(ids, past)
+        made.append(token)
         if done(made):
             break
-        if scorer.cached:
-            past = runtime.present_as_past(scorer.session, presents, scorer.presents)
-            ids = np.array([[made[-1]]], np.int64)
-        else:
-            ids = np.array([context + made], np.int64)
+        ids = [token] if past is not None else context + made
     return made
 
 

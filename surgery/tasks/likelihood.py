@@ -2,24 +2,29 @@
 
 A (context, continuation) pair is tokenized as lm-eval 0.4.13 tokenizes it (trailing spaces of the context moved
 to the continuation, the whole string encoded and split after the context's tokens, with the tokenizer's own special
-tokens (BOS where it prepends one); an empty context is the BOS or EOS token) and scored on the context's and continuation's tokens, the oldest cut when they pass
-the model's position limit. Pairs that share a context share its KV cache: the context but its last token runs once,
-and its cache, copied once per continuation, is the past of one batch holding every continuation (each row starts at
-the context's last KEPT tokens, the last of which scores the first continuation token: KEPT = 2, so that no run after
-a cache is one token long, which int4 MatMulNBits computes with other kernels, 0.1 nats apart on SmolLM2). Rows are padded on the
-right, which a causal graph never reads (with ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention, each
-continuation runs alone after the shared cache). Graphs without a KV cache, or that take no chunk of tokens after one
-(tried once), score each pair's whole row instead. Only the
-continuation tokens' log-probabilities leave the session (the scoring graph of measure/scoring.py).
+tokens (BOS where it prepends one); an empty context is the BOS or EOS token) and scored on the context's and
+continuation's tokens, the oldest cut when they pass the model's position limit.
+
+Pairs that share a context share its run: their stem (the context and the continuations' common first tokens) runs
+once, and its KV cache, copied once per continuation, is the past of the runs that hold every continuation's own
+tokens. Many documents run together: the stems of up to ROWS continuations as one batch (rows padded on the right,
+which a causal graph never reads), then their continuations as one batch after those caches, each row's past masked to
+its own stem (attention_mask zero over the padding; positions counted from the mask). Graphs that take several tokens
+after a cache for one sequence only (ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention) step every
+continuation one token a run instead, the rows done dropped from the batch. A run after a cache always holds two rows
+or more: int4 MatMulNBits computes a one-token, one-row run with other kernels (0.1 nats apart on SmolLM2). Which of
+these a graph takes is tried once, on a few tokens, against whole rows; graphs without a KV cache, or that take none
+of them, score each pair's whole row (ROWS a run). Only the scored tokens' log-probabilities leave the session (the
+scoring graph of measure/scoring.py).
 
 like="onnxruntime" tokenizes and cuts as lm-eval's `onnxruntime` and `onnxruntime-genai` backends do instead
 (docs/evaluation.md): no special tokens, and a pair past the position limit keeps its last max_length tokens (hf:
-max_length + 1, the last of which is only a target). The shared cache stays: on the GenAI builder's SmolLM2 fp32 it
-scores what whole rows score, as far from those backends' numbers (benchmarks/RESULTS.md).
+max_length + 1, the last of which is only a target).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,19 +36,43 @@ import onnxruntime as ort
 from surgery.engine import runtime
 from surgery.errors import SurgeryError
 from surgery.files import config, graph, ops
-from surgery.measure.scoring import NLL, TARGETS, TOP1, scoring_model
+from surgery.measure.scoring import NLL, POSITIONS, TARGETS, TOP1, scoring_model
 from surgery.text import data
 
-KEPT = 2  # context tokens that run with the continuations: never a one-token run after a cache, whose kernels can differ
-ROWS = 16  # rows per run when pairs are scored whole (no shared context)
+ROWS = 64  # continuations a batch holds after their stems' caches (and whole rows: 16 a run)
+WHOLE = 16  # rows per run when pairs are scored whole
+TOKENS = 512  # tokens, padding included, of a run of stems
 DEFAULT_LENGTH = 2048  # lm-eval's when the model states no position limit
 LIKE = ("hf", "onnxruntime")  # the lm-eval backends whose tokenization and cut a Likelihood can follow
+PROBE = ([1, 2, 3], [4, 5]), ([1, 2, 3], [4, 6, 7]), ([8, 9, 10, 11, 12], [13]), ([8, 9, 10, 11, 12], [14, 15])
+
+
+@dataclasses.dataclass(frozen=True)
+class Stem:
+    """Pairs that share a context (`members`, indices of the pairs): the tokens every one of their rows starts with (the
+    context and the continuations' common first tokens, one token short of the shortest row) and the context's length."""
+
+    tokens: tuple[int, ...]
+    context: int
+    members: tuple[int, ...]
+
+    @classmethod
+    def of(cls, context: list[int], members: list[int], pairs) -> Stem:
+        rows = [context + pairs[i][1] for i in members]
+        shared = min(map(len, rows)) - 1
+        for at in range(len(context), shared):
+            if any(row[at] != rows[0][at] for row in rows):
+                shared = at
+                break
+        return cls(tuple(rows[0][: max(shared, len(context))]), len(context), tuple(members))
 
 
 class Likelihood:
     """One session that scores (context, continuation) pairs under `model` (an .onnx file or its folder, or a model in
     memory), with the tokenizer and config of `folder` (the model's own folder when None). like: tokenize and cut as
-    lm-eval's `hf` backend (the tokenizer's special tokens) or its `onnxruntime` / `onnxruntime-genai` backends (none)."""
+    lm-eval's `hf` backend (the tokenizer's special tokens) or its `onnxruntime` / `onnxruntime-genai` backends (none).
+    width: the tokens a run takes per row after the stems' caches (None: all, 1: one, as a decoding step); cached: whether
+    pairs share their stems' runs at all (module docstring)."""
 
     def __init__(self, model: str | Path | ir.Model, options: runtime.Options = runtime.Options(), folder: str | Path | None = None,
                  like: str = "hf"):
@@ -53,10 +82,9 @@ class Likelihood:
         path = graph.resolve(folder if folder is not None else model)
         loaded = model if isinstance(model, ir.Model) else graph.load(path)
         self.presents = [v.name for v in loaded.graph.outputs if v.name.startswith("present")]
-        self.session = runtime.session(scoring_model(loaded, keep=self.presents), options)
-        self.cached = runtime.has_kv_cache(self.session) and bool(self.presents)
+        self.session = runtime.session(scoring_model(loaded, keep=self.presents, select=True), options)
         self.one_row = any(node.op_type in ops.ONE_ROW_AFTER_PAST for node in loaded.graph.all_nodes())
-        self.cached = self.cached and self._chunks_after_cache()
+        self.width: int | None = None
         self.tokenizer = data.load_tokenizer(path)
         self.max_length = config.position_limit(path.parent) or DEFAULT_LENGTH
         prefix = _special(path.parent, self.tokenizer, ("bos_token", "eos_token"))
@@ -65,26 +93,34 @@ class Likelihood:
         self.eos_token = _special(path.parent, self.tokenizer, ("eos_token",))
         self.bos = like == "hf"
         self.window = self.max_length + 1 if self.bos else self.max_length  # tokens a pair keeps past the limit (module docstring)
+        self.cached = runtime.has_kv_cache(self.session) and bool(self.presents) and self._after_caches()
 
-    def _chunks_after_cache(self) -> bool:
-        """Whether the graph takes several tokens after a KV cache, as the shared-context runs feed it (the GenAI builder's
-        fp16 CPU graphs take a prompt or one token only): tried once on two tokens after two, ORT's log kept quiet."""
+    def _after_caches(self) -> bool:
+        """Which runs after the stems' caches the graph takes (self.width), tried once on PROBE against its whole rows, ORT's
+        log kept quiet: a chunk of tokens per row, else one token per row (the GenAI builder's fp16 CPU graphs), else none."""
         quiet = ort.RunOptions()
         quiet.log_severity_level = 4
-        rows = np.zeros((1 if self.one_row else 2, KEPT), np.int64)
-        try:
-            past = {name: np.repeat(v, len(rows), axis=0) for name, v in self.cache([0] * KEPT, quiet).items()}
-            self.session.run([NLL], runtime.feeds(self.session, rows, past, extra={TARGETS: rows}), quiet)
-        except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.Fail,
-                ort.capi.onnxruntime_pybind11_state.RuntimeException):
-            return False
-        return True
+        whole: list = [None] * len(PROBE)
+        self._whole(list(range(len(PROBE))), PROBE, whole)
+        for width in ([1] if self.one_row else [None, 1]):
+            self.width = width
+            got: list = [None] * len(PROBE)
+            try:
+                self._shared([Stem.of(list(PROBE[i][0]), [i, i + 1], PROBE) for i in (0, 2)], PROBE, got, quiet)
+            except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.Fail,
+                    ort.capi.onnxruntime_pybind11_state.RuntimeException):
+                continue
+            if np.allclose([g[0] for g in got], [w[0] for w in whole], rtol=1e-4, atol=1e-3):
+                return True
+        return False
 
-    def cache(self, ids: list[int], run_options: ort.RunOptions | None = None) -> dict[str, np.ndarray]:
-        """The KV cache after the tokens `ids` (one sequence), as the past of a next run."""
+    def next_token(self, ids: list[int], past: dict[str, np.ndarray] | None = None) -> tuple[int, dict[str, np.ndarray] | None]:
+        """The most likely token after `ids` (one sequence, after `past` when given), and the KV cache after `ids` (None
+        where the graph's cache is not used: the next call then passes the whole sequence)."""
         row = np.array([ids], np.int64)
-        presents = self.session.run(self.presents, runtime.feeds(self.session, row, extra={TARGETS: row}), run_options)
-        return runtime.present_as_past(self.session, presents, self.presents)
+        feed = runtime.feeds(self.session, row, past, extra={TARGETS: np.zeros((1, 1), np.int64), POSITIONS: np.array([len(ids) - 1])})
+        top1, *presents = self.session.run([TOP1, *(self.presents if self.cached else [])], feed)
+        return int(top1[0, 0]), runtime.present_as_past(self.session, presents, self.presents) if self.cached else None
 
     def encode(self, text: str) -> list[int]:
         """lm-eval's tok_encode: the tokenizer's own special tokens (BOS where its post-processor prepends one), none when
@@ -109,42 +145,132 @@ class Likelihood:
         """`__call__` for pairs already tokenized."""
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
         groups: dict[tuple[int, ...], list[int]] = {}
-        for i, (context, _) in enumerate(pairs):
-            groups.setdefault(tuple(context), []).append(i)
-        whole = []
+        for i, (context, continuation) in enumerate(pairs):
+            if continuation:
+                groups.setdefault(tuple(context), []).append(i)
+            else:
+                results[i] = (0.0, True)  # nothing to score, as lm-eval
+        stems, whole = [], []
         for context, members in groups.items():
-            longest = max(len(pairs[i][1]) for i in members)
-            if self.cached and len(members) > 1 and len(context) + longest <= self.window:
-                self._shared(list(context), members, pairs, results)
+            if context and len(context) + max(len(pairs[i][1]) for i in members) <= self.window:
+                stems.append(Stem.of(list(context), members, pairs))
             else:
                 whole += members
-        whole.sort(key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
-        for lo in range(0, len(whole), ROWS):
-            chunk = whole[lo : lo + ROWS]
-            rows = [(pairs[i][0] + pairs[i][1])[-self.window :] for i in chunk]
-            self._score(chunk, [r[:-1] for r in rows], [r[1:] for r in rows], [len(pairs[i][1]) for i in chunk], None, results)
+        if self.cached and sum(len(s.members) for s in stems) > 1:
+            self._shared(stems, pairs, results)
+        else:
+            whole += [i for s in stems for i in s.members]
+        self._whole(whole, pairs, results)
         return results  # type: ignore[return-value]
 
-    def _shared(self, context: list[int], members: list[int], pairs, results) -> None:
-        keep = min(KEPT, len(context))
-        past = None
-        if len(context) > keep:
-            past = self.cache(context[:-keep])
-        batches = [[i] for i in members] if self.one_row and past else [members]
-        for batch in batches:
-            rows = [context[-keep:] + pairs[i][1] for i in batch]
-            copies = None if past is None else {name: np.repeat(value, len(batch), axis=0) for name, value in past.items()}
-            self._score(batch, [r[:-1] for r in rows], [r[1:] for r in rows], [len(pairs[i][1]) for i in batch], copies, results)
+    def _whole(self, members: list[int], pairs, results) -> None:
+        """Score each pair's whole row, the longest first, WHOLE rows a run."""
+        members = sorted(members, key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+        for lo in range(0, len(members), WHOLE):
+            chunk = members[lo : lo + WHOLE]
+            rows = [(list(pairs[i][0]) + list(pairs[i][1]))[-self.window :] for i in chunk]
+            scored = [(len(row) - 1 - len(pairs[i][1]), row[len(row) - len(pairs[i][1]) :]) for i, row in zip(chunk, rows)]
+            for i, result in zip(chunk, self._run(_padded([r[:-1] for r in rows]), scored, cache=False)[0]):
+                results[i] = result
 
-    def _score(self, members, rows, targets, lengths, past, results) -> None:
-        width = max(map(len, rows))
-        ids, goals = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
-        for r, (row, target) in enumerate(zip(rows, targets)):
-            ids[r, : len(row)], goals[r, : len(target)] = row, target
-        nll, top1 = self.session.run([NLL, TOP1], runtime.feeds(self.session, ids, past, extra={TARGETS: goals}))
-        for r, (i, row, n) in enumerate(zip(members, rows, lengths)):
-            span = slice(len(row) - n, len(row))
-            results[i] = (-float(nll[r, span].astype(np.float64).sum()), bool((top1[r, span] == goals[r, span]).all()))
+    def _shared(self, stems: Sequence[Stem], pairs, results, run_options: ort.RunOptions | None = None) -> None:
+        """Score the pairs of `stems` (two rows or more): the stems but their last tokens, the shortest first, up to TOKENS
+        (padded) a run; then every continuation's own tokens after its stem's cache, in batches of up to ROWS rows, the shortest first."""
+        stems = sorted(stems, key=lambda s: len(s.tokens))
+        caches: list[dict[str, np.ndarray] | None] = []
+        first: list[tuple[float, bool]] = []  # each stem's continuations' common tokens, scored in the stem
+        for chunk in _runs(stems):
+            if len(chunk[-1].tokens) == 1:
+                caches += [None] * len(chunk)
+                first += [(0.0, True)] * len(chunk)
+                continue
+            got, past = self._run(_padded([s.tokens[:-1] for s in chunk]), [(s.context - 1, s.tokens[s.context :]) for s in chunk],
+                                  run_options=run_options)
+            first += got
+            caches += [{n: v[j : j + 1, :, : len(s.tokens) - 1] for n, v in past.items()} for j, s in enumerate(chunk)]
+        rows = [(k, [s.tokens[-1], *pairs[i][1][len(s.tokens) - s.context :]], i) for k, s in enumerate(stems) for i in s.members]
+        rows.sort(key=lambda row: (len(row[1]), len(stems[row[0]].tokens)))
+        for batch in np.array_split(np.arange(len(rows)), -(-len(rows) // ROWS)):  # two rows a batch or more
+            chosen = [rows[b] for b in batch]
+            past, mask = _stacked([caches[k] for k, _, _ in chosen])
+            for (k, _, i), (value, right) in zip(chosen, self._rows([r for _, r, _ in chosen], past, mask, run_options)):
+                results[i] = (first[k][0] + value, first[k][1] and right)
+
+    def _rows(self, inputs: list[list[int]], past, mask: np.ndarray, run_options) -> list[tuple[float, bool]]:
+        """Each row's tokens after its past (mask: which past positions are its own), the last only a target: its
+        log-likelihood and whether every target is the top-1, self.width tokens a run, rows done leaving the batch
+        (but one, so that no run holds a single row)."""
+        sums, right = np.zeros(len(inputs)), np.ones(len(inputs), bool)
+        longest = max(map(len, inputs)) - 1
+        step = self.width or longest
+        slots = list(range(len(inputs)))  # the rows in the batch, in order
+        for lo in range(0, longest, step):
+            live = [r for r in slots if len(inputs[r]) - 1 > lo]
+            live += [r for r in slots if r not in live][: max(0, 2 - len(live))]
+            if len(live) < len(slots):
+                at = np.array([slots.index(r) for r in live])
+                past = None if past is None else {n: v[at] for n, v in past.items()}
+                mask, slots = mask[at], live
+            mask = np.concatenate([mask, np.ones((len(slots), step), np.int64)], axis=1)
+            scored = [(0, inputs[r][lo + 1 : lo + 1 + step]) for r in slots]
+            got, past = self._run(_padded([inputs[r][lo : lo + step] for r in slots], step), scored, past, mask, run_options)
+            for r, (value, same) in zip(slots, got):
+                sums[r] += value
+                right[r] &= same
+        return list(zip(sums.tolist(), right.tolist()))
+
+    def _run(self, ids: np.ndarray, scored: Sequence[tuple[int, Sequence[int]]], past=None, mask=None, run_options=None, cache: bool = True):
+        """One run of `ids` [rows, width] (after `past`, masked by `mask`, when given): per row, the log-likelihood of its
+        targets scored[row] = (position of the first, target tokens) and whether each is the top-1; and the KV cache
+        after the run (cache; None without)."""
+        width = ids.shape[1]
+        positions = [r * width + start + np.arange(len(goal)) for r, (start, goal) in enumerate(scored)]
+        flat = np.concatenate(positions + [np.zeros(1, np.int64)])  # one more, so that no run scores nothing
+        targets = np.concatenate([np.asarray(goal, np.int64) for _, goal in scored] + [np.zeros(1, np.int64)])
+        feed = runtime.feeds(self.session, ids, past, extra={TARGETS: targets[None], POSITIONS: flat.astype(np.int64)}, mask=mask)
+        nll, top1, *presents = self.session.run([NLL, TOP1, *(self.presents if cache else [])], feed, run_options)
+        bounds = np.cumsum([0] + [len(goal) for _, goal in scored])
+        got = [_sums(nll[0, lo:hi], top1[0, lo:hi] == targets[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return got, runtime.present_as_past(self.session, presents, self.presents) if presents else None
+
+
+def _padded(rows: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
+    """int64 [len(rows), width (the longest row)] of the rows, zeros on the right."""
+    out = np.zeros((len(rows), width if width is not None else max(map(len, rows))), np.int64)
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = row
+    return out
+
+
+def _runs(stems: Sequence[Stem]) -> list[list[Stem]]:
+    """Stems sorted by length cut into runs of up to TOKENS tokens, each stem padded to the run's longest (ROWS at most)."""
+    runs: list[list[Stem]] = []
+    for stem in stems:
+        if not runs or len(runs[-1]) == ROWS or (len(runs[-1]) + 1) * (len(stem.tokens) - 1) > TOKENS:
+            runs.append([])
+        runs[-1].append(stem)
+    return runs
+
+
+def _stacked(caches: Sequence[dict[str, np.ndarray] | None]) -> tuple[dict[str, np.ndarray] | None, np.ndarray]:
+    """One past of the rows' own caches (None: none), padded on the right to the longest, and its attention mask."""
+    lengths = [0 if c is None else next(iter(c.values())).shape[2] for c in caches]
+    mask = (np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    known = next((c for c in caches if c is not None), None)
+    if known is None:
+        return None, mask
+    past = {}
+    for name, value in known.items():
+        past[name] = np.zeros((len(caches), value.shape[1], max(lengths), value.shape[3]), value.dtype)
+        for r, cache in enumerate(caches):
+            if cache is not None:
+                past[name][r, :, : lengths[r]] = cache[name][0]
+    return past, mask
+
+
+def _sums(nll: np.ndarray, right: np.ndarray) -> tuple[float, bool]:
+    """A span's log-likelihood (float64 sum of its NLLs, negated) and whether all its targets are the top-1."""
+    return -float(nll.astype(np.float64).sum()), bool(right.all())
 
 
 def check_like(like: str) -> None:
