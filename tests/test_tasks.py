@@ -102,6 +102,18 @@ def test_continuations_after_a_shared_cache_equal_whole_rows(tiny_export):
     assert [g for _, g in shared(pairs)] == [g for _, g in whole(pairs)]
 
 
+def test_a_stem_is_the_context_and_the_choices_common_tokens():
+    """Stem.of: the context and the first tokens every continuation shares, one token short of the shortest row (so
+    that each row keeps a token of its own to run); the context alone where they share none."""
+    from surgery.tasks.likelihood import Stem
+
+    pairs = [([1, 2], [3, 4, 5]), ([1, 2], [3, 4, 6, 7]), ([1, 2], [3, 4])]
+    assert Stem.of([1, 2], [0, 1], pairs) == Stem((1, 2, 3, 4), 2, (0, 1))
+    assert Stem.of([1, 2], [0, 1, 2], pairs) == Stem((1, 2, 3), 2, (0, 1, 2))  # [1, 2, 3, 4] is a whole row
+    assert Stem.of([1, 2], [0], pairs) == Stem((1, 2, 3, 4), 2, (0,))
+    assert Stem.of([9], [0, 1], [([9], [5, 1]), ([9], [6, 1])]) == Stem((9,), 1, (0, 1))
+
+
 FORMATS = {  # format -> (tolerance against lm-eval's hf model, None: against the graph's own whole rows only)
     "genai-fp32": 1e-4, "genai-fp16": None, "genai-int4": None, "ortopt": 1e-4, "dynamo": 1e-4,
 }
@@ -123,17 +135,19 @@ def test_every_deployed_format_scores_tasks(reference, tiny_export, tmp_path, fo
     else:
         folder = tiny_export("llama", exporter="dynamo", past=False, seed=5).onnx
     likelihood, whole = Likelihood(folder), Likelihood(folder)
-    assert likelihood.cached == (form not in ("dynamo", "genai-fp16"))  # the builder's fp16 CPU graph takes no chunk after a cache
+    assert likelihood.cached == (form not in ("dynamo", "genai-fp16"))  # the builder's fp16 CPU graph takes no run after a cache
     assert likelihood.one_row == (form in ("genai-fp32", "genai-int4"))
+    assert not likelihood.cached or likelihood.width == (1 if likelihood.one_row else None)  # GroupQueryAttention: a token a run
     whole.cached = False
-    for name in ("arc_easy", "hellaswag", "winogrande"):
-        samples = sorted(results["samples"][name], key=lambda s: int(s["doc_id"]))
-        for item, sample in zip(catalog.items(catalog.TASKS[name], LIMIT), samples):
-            ours = [ll for ll, _ in likelihood(item.pairs)]
-            np.testing.assert_allclose(ours, [ll for ll, _ in whole(item.pairs)], rtol=1e-4, atol=1e-3, err_msg=name)
-            if FORMATS[form] is not None:
-                theirs = [float(r[0]) for r in sample["filtered_resps"]]
-                np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=FORMATS[form], err_msg=name)
+    names = ("arc_easy", "hellaswag", "winogrande")
+    items = [item for name in names for item in catalog.items(catalog.TASKS[name], LIMIT)]
+    pairs = [pair for item in items for pair in item.pairs]  # every document in one call: their runs batch together
+    ours = [ll for ll, _ in likelihood(pairs)]
+    np.testing.assert_allclose(ours, [ll for ll, _ in whole(pairs)], rtol=1e-4, atol=1e-3)
+    if FORMATS[form] is not None:
+        samples = [s for name in names for s in sorted(results["samples"][name], key=lambda s: int(s["doc_id"]))]
+        theirs = [float(r[0]) for s in samples for r in s["filtered_resps"]]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=FORMATS[form])
 
 
 @pytest.fixture(scope="module")
