@@ -103,7 +103,8 @@ def _select(g: ir.Graph, logits: ir.Value, positions: ir.Value) -> ir.Value:
     while node is not None and node.op_type in ("Cast", "Identity"):
         chain.append(node.inputs[0])
         node = node.inputs[0].producer()
-    head = node is not None and node.op_type in ops.PROJECTIONS and node.inputs[0].shape is not None and len(node.inputs[0].shape) == 3
+    rank = len(logits.shape) if logits.shape is not None else None  # a projection keeps its input's rank (Gemm's: 2)
+    head = node is not None and node.op_type in ops.PROJECTIONS and node.op_type != "Gemm" and rank == 3
     source = node.inputs[0] if head else logits
     flat = ir.node("Flatten", [source], attributes={"axis": 2})
     picked = ir.node("Gather", [flat.outputs[0], positions], attributes={"axis": 0})

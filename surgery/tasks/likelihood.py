@@ -39,9 +39,10 @@ from surgery.files import config, graph, ops
 from surgery.measure.scoring import NLL, POSITIONS, TARGETS, TOP1, scoring_model
 from surgery.text import data
 
-ROWS = 64  # continuations a batch holds after their stems' caches (and whole rows: 16 a run)
+ROWS = 64  # rows of continuations a batch holds after their stems' caches, and stems a run at most
 WHOLE = 16  # rows per run when pairs are scored whole
-TOKENS = 512  # tokens, padding included, of a run of stems
+TOKENS = 2048  # tokens, padding included, of a run of stems at most
+RUN = 16  # what a run costs besides its tokens, in tokens (reading the weights once): _runs
 DEFAULT_LENGTH = 2048  # lm-eval's when the model states no position limit
 LIKE = ("hf", "onnxruntime")  # the lm-eval backends whose tokenization and cut a Likelihood can follow
 PROBE = ([1, 2, 3], [4, 5]), ([1, 2, 3], [4, 6, 7]), ([8, 9, 10, 11, 12], [13]), ([8, 9, 10, 11, 12], [14, 15])
@@ -243,12 +244,21 @@ def _padded(rows: Sequence[Sequence[int]], width: int | None = None) -> np.ndarr
 
 
 def _runs(stems: Sequence[Stem]) -> list[list[Stem]]:
-    """Stems sorted by length cut into runs of up to TOKENS tokens, each stem padded to the run's longest (ROWS at most)."""
-    runs: list[list[Stem]] = []
-    for stem in stems:
-        if not runs or len(runs[-1]) == ROWS or (len(runs[-1]) + 1) * (len(stem.tokens) - 1) > TOKENS:
-            runs.append([])
-        runs[-1].append(stem)
+    """Stems sorted by length cut into runs, each stem padded to its run's longest, at the least cost: the tokens run,
+    padding included, and RUN more a run; at most ROWS stems and TOKENS tokens a run."""
+    widths = [len(s.tokens) - 1 for s in stems]
+    best, cut = [0.0] + [np.inf] * len(stems), [0] * (len(stems) + 1)
+    for end in range(1, len(stems) + 1):
+        for start in range(end - 1, max(-1, end - 1 - ROWS), -1):
+            if start < end - 1 and (end - start) * widths[end - 1] > TOKENS:
+                break
+            cost = best[start] + (end - start) * widths[end - 1] + RUN
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], len(stems)
+    while end:
+        runs.insert(0, list(stems[cut[end] : end]))
+        end = cut[end]
     return runs
 
 
