@@ -51,6 +51,9 @@ def _options(ctx: typer.Context, verbose: Annotated[bool, typer.Option("--verbos
         warnings.simplefilter("ignore")
         for name in ("transformers", "optimum", "torch", "onnxscript", "onnx_ir", "surgery.engine.cluster"):  # the last: Ray's notices
             logging.getLogger(name).setLevel(logging.ERROR)
+    from surgery.engine.runtime import keep_freed_memory
+
+    keep_freed_memory()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,37 +170,42 @@ class Likelihood:
         for lo in range(0, len(members), WHOLE):
             chunk = members[lo : lo + WHOLE]
             rows = [(list(pairs[i][0]) + list(pairs[i][1]))[-self.window :] for i in chunk]
-            scored = [(len(row) - 1 - len(pairs[i][1]), row[len(row) - len(pairs[i][1]) :]) for i, row in zip(chunk, rows)]
+            scored = [(r, len(row) - 1 - len(pairs[i][1]), row[len(row) - len(pairs[i][1]) :]) for r, (i, row) in enumerate(zip(chunk, rows))]
             for i, result in zip(chunk, self._run(_padded([r[:-1] for r in rows]), scored, cache=False)[0]):
                 results[i] = result
 
     def _shared(self, stems: Sequence[Stem], pairs, results, run_options: ort.RunOptions | None = None) -> None:
-        """Score the pairs of `stems` (two rows or more): the stems but their last tokens, the shortest first, up to TOKENS
-        (padded) a run; then every continuation's own tokens after its stem's cache, in batches of up to ROWS rows, the shortest first."""
+        """Score the pairs of `stems` (two rows or more): the stems, the shortest first, up to TOKENS (padded) a run, each
+        scoring its continuations' common tokens and, at its last position, every continuation's next one; then every
+        continuation's other tokens after its stem's cache, in batches of up to ROWS rows, the shortest first."""
         stems = sorted(stems, key=lambda s: len(s.tokens))
-        caches: list[dict[str, np.ndarray] | None] = []
-        first: list[tuple[float, bool]] = []  # each stem's continuations' common tokens, scored in the stem
+        tails = {i: pairs[i][1][len(s.tokens) - s.context :] for s in stems for i in s.members}  # each row's own tokens
+        caches: list[dict[str, np.ndarray]] = []
+        first: dict[int, tuple[float, bool]] = {}  # each row's tokens scored in its stem's run
         for chunk in _runs(stems):
-            if len(chunk[-1].tokens) == 1:
-                caches += [None] * len(chunk)
-                first += [(0.0, True)] * len(chunk)
-                continue
-            got, past = self._run(_padded([s.tokens[:-1] for s in chunk]), [(s.context - 1, s.tokens[s.context :]) for s in chunk],
-                                  run_options=run_options)
-            first += got
-            caches += [{n: v[j : j + 1, :, : len(s.tokens) - 1] for n, v in past.items()} for j, s in enumerate(chunk)]
-        rows = [(k, [s.tokens[-1], *pairs[i][1][len(s.tokens) - s.context :]], i) for k, s in enumerate(stems) for i in s.members]
-        rows.sort(key=lambda row: (len(row[1]), len(stems[row[0]].tokens)))
-        for batch in np.array_split(np.arange(len(rows)), -(-len(rows) // ROWS)):  # two rows a batch or more
+            scored = [(j, s.context - 1, s.tokens[s.context :]) for j, s in enumerate(chunk)]
+            scored += [(j, len(s.tokens) - 1, tails[i][:1]) for j, s in enumerate(chunk) for i in s.members]
+            got, past = self._run(_padded([s.tokens for s in chunk]), scored, run_options=run_options)
+            common, own = got[: len(chunk)], iter(got[len(chunk) :])
+            for j, s in enumerate(chunk):
+                for i in s.members:
+                    value, right = next(own)
+                    first[i] = (common[j][0] + value, common[j][1] and right)
+            caches += [{n: v[j : j + 1, :, : len(s.tokens)] for n, v in past.items()} for j, s in enumerate(chunk)]
+        rows = sorted(((k, i) for k, s in enumerate(stems) for i in s.members if len(tails[i]) > 1),
+                      key=lambda row: (len(tails[row[1]]), len(stems[row[0]].tokens)))
+        for i in {i for s in stems for i in s.members} - {i for _, i in rows}:
+            results[i] = first[i]
+        for batch in np.array_split(np.arange(len(rows)), -(-len(rows) // ROWS)) if len(rows) > 1 else [range(len(rows))]:
             chosen = [rows[b] for b in batch]
-            past, mask = _stacked([caches[k] for k, _, _ in chosen])
-            for (k, _, i), (value, right) in zip(chosen, self._rows([r for _, r, _ in chosen], past, mask, run_options)):
-                results[i] = (first[k][0] + value, first[k][1] and right)
+            past, mask = _stacked([caches[k] for k, _ in chosen])
+            for (_, i), (value, right) in zip(chosen, self._rows([tails[i] for _, i in chosen], past, mask, run_options)):
+                results[i] = (first[i][0] + value, first[i][1] and right)
 
     def _rows(self, inputs: list[list[int]], past, mask: np.ndarray, run_options) -> list[tuple[float, bool]]:
-        """Each row's tokens after its past (mask: which past positions are its own), the last only a target: its
-        log-likelihood and whether every target is the top-1, self.width tokens a run, rows done leaving the batch
-        (but one, so that no run holds a single row)."""
+        """Each row's tokens after its past (mask: which past positions are its own), the first only an input and the last
+        only a target: their log-likelihood and whether every target is the top-1, self.width tokens a run, rows done
+        leaving the batch (but one, so that no run holds a single row)."""
         sums, right = np.zeros(len(inputs)), np.ones(len(inputs), bool)
         longest = max(map(len, inputs)) - 1
         step = self.width or longest
@@ -213,24 +218,25 @@ class Likelihood:
                 past = None if past is None else {n: v[at] for n, v in past.items()}
                 mask, slots = mask[at], live
             mask = np.concatenate([mask, np.ones((len(slots), step), np.int64)], axis=1)
-            scored = [(0, inputs[r][lo + 1 : lo + 1 + step]) for r in slots]
+            scored = [(p, 0, inputs[r][lo + 1 : lo + 1 + step]) for p, r in enumerate(slots)]
             got, past = self._run(_padded([inputs[r][lo : lo + step] for r in slots], step), scored, past, mask, run_options)
             for r, (value, same) in zip(slots, got):
                 sums[r] += value
                 right[r] &= same
         return list(zip(sums.tolist(), right.tolist()))
 
-    def _run(self, ids: np.ndarray, scored: Sequence[tuple[int, Sequence[int]]], past=None, mask=None, run_options=None, cache: bool = True):
-        """One run of `ids` [rows, width] (after `past`, masked by `mask`, when given): per row, the log-likelihood of its
-        targets scored[row] = (position of the first, target tokens) and whether each is the top-1; and the KV cache
-        after the run (cache; None without)."""
+    def _run(self, ids: np.ndarray, scored: Sequence[tuple[int, int, Sequence[int]]], past=None, mask=None, run_options=None,
+             cache: bool = True):
+        """One run of `ids` [rows, width] (after `past`, masked by `mask`, when given): for each (row, position of the first
+        target, target tokens) of `scored`, the targets' log-likelihood and whether each is the top-1 (a position may be
+        scored against several targets); and the KV cache after the run (cache; None without)."""
         width = ids.shape[1]
-        positions = [r * width + start + np.arange(len(goal)) for r, (start, goal) in enumerate(scored)]
+        positions = [row * width + start + np.arange(len(goal)) for row, start, goal in scored]
         flat = np.concatenate(positions + [np.zeros(1, np.int64)])  # one more, so that no run scores nothing
-        targets = np.concatenate([np.asarray(goal, np.int64) for _, goal in scored] + [np.zeros(1, np.int64)])
+        targets = np.concatenate([np.asarray(goal, np.int64) for _, _, goal in scored] + [np.zeros(1, np.int64)])
         feed = runtime.feeds(self.session, ids, past, extra={TARGETS: targets[None], POSITIONS: flat.astype(np.int64)}, mask=mask)
         nll, top1, *presents = self.session.run([NLL, TOP1, *(self.presents if cache else [])], feed, run_options)
-        bounds = np.cumsum([0] + [len(goal) for _, goal in scored])
+        bounds = np.cumsum([0] + [len(goal) for _, _, goal in scored])
         got = [_sums(nll[0, lo:hi], top1[0, lo:hi] == targets[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
         return got, runtime.present_as_past(self.session, presents, self.presents) if presents else None
 
@@ -246,7 +252,7 @@ def _padded(rows: Sequence[Sequence[int]], width: int | None = None) -> np.ndarr
 def _runs(stems: Sequence[Stem]) -> list[list[Stem]]:
     """Stems sorted by length cut into runs, each stem padded to its run's longest, at the least cost: the tokens run,
     padding included, and RUN more a run; at most ROWS stems and TOKENS tokens a run."""
-    widths = [len(s.tokens) - 1 for s in stems]
+    widths = [len(s.tokens) for s in stems]
     best, cut = [0.0] + [np.inf] * len(stems), [0] * (len(stems) + 1)
     for end in range(1, len(stems) + 1):
         for start in range(end - 1, max(-1, end - 1 - ROWS), -1):
@@ -262,19 +268,15 @@ def _runs(stems: Sequence[Stem]) -> list[list[Stem]]:
     return runs
 
 
-def _stacked(caches: Sequence[dict[str, np.ndarray] | None]) -> tuple[dict[str, np.ndarray] | None, np.ndarray]:
-    """One past of the rows' own caches (None: none), padded on the right to the longest, and its attention mask."""
-    lengths = [0 if c is None else next(iter(c.values())).shape[2] for c in caches]
+def _stacked(caches: Sequence[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """One past of the rows' own caches, padded on the right to the longest, and its attention mask."""
+    lengths = [next(iter(c.values())).shape[2] for c in caches]
     mask = (np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]).astype(np.int64)
-    known = next((c for c in caches if c is not None), None)
-    if known is None:
-        return None, mask
     past = {}
-    for name, value in known.items():
+    for name, value in caches[0].items():
         past[name] = np.zeros((len(caches), value.shape[1], max(lengths), value.shape[3]), value.dtype)
         for r, cache in enumerate(caches):
-            if cache is not None:
-                past[name][r, :, : lengths[r]] = cache[name][0]
+            past[name][r, :, : lengths[r]] = cache[name][0]
     return past, mask
 
 
