@@ -114,6 +114,22 @@ def test_a_stem_is_the_context_and_the_choices_common_tokens():
     assert Stem.of([9], [0, 1], [([9], [5, 1]), ([9], [6, 1])]) == Stem((9,), 1, (0, 1))
 
 
+def test_batched_scoring_edge_cases_equal_whole_rows(tiny_export):
+    """Pairs the batches must not get wrong, each against the same pairs' whole rows: one choice with tokens after its
+    first among one-token choices (run beside a copy of itself), identical choices, a choice that is the other's prefix,
+    a one-token context, an empty continuation (0, as lm-eval), a lone pair."""
+    tiny = tiny_export("llama", seed=5)
+    batched, whole = Likelihood(tiny.onnx), Likelihood(tiny.onnx)
+    whole.cached = False
+    pairs = [([5, 6, 7], [8]), ([5, 6, 7], [9, 10, 11, 12]), ([5, 6, 7], [13]),
+             ([20, 21], [22, 23]), ([20, 21], [22, 23]), ([20, 21], [22, 23, 24]),
+             ([30], [31, 32]), ([30], [33]), ([40, 41], [])]
+    got, want = batched.tokens(pairs), whole.tokens(pairs)
+    np.testing.assert_allclose([g for g, _ in got], [w for w, _ in want], rtol=1e-5, atol=1e-4)
+    assert [g for _, g in got] == [w for _, w in want] and got[-1] == (0.0, True)
+    assert batched.tokens(pairs[1:2])[0][0] == pytest.approx(want[1][0], abs=1e-4)
+
+
 FORMATS = {  # format -> (tolerance against lm-eval's hf model, None: against the graph's own whole rows only)
     "genai-fp32": 1e-4, "genai-fp16": None, "genai-int4": None, "ortopt": 1e-4, "dynamo": 1e-4,
 }

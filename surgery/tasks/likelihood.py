@@ -6,16 +6,17 @@ tokens (BOS where it prepends one); an empty context is the BOS or EOS token) an
 continuation's tokens, the oldest cut when they pass the model's position limit.
 
 Pairs that share a context share its run: their stem (the context and the continuations' common first tokens) runs
-once, and its KV cache, copied once per continuation, is the past of the runs that hold every continuation's own
-tokens. Many documents run together: the stems of up to ROWS continuations as one batch (rows padded on the right,
-which a causal graph never reads), then their continuations as one batch after those caches, each row's past masked to
-its own stem (attention_mask zero over the padding; positions counted from the mask). Graphs that take several tokens
-after a cache for one sequence only (ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention) step every
-continuation one token a run instead, the rows done dropped from the batch. A run after a cache always holds two rows
-or more: int4 MatMulNBits computes a one-token, one-row run with other kernels (0.1 nats apart on SmolLM2). Which of
-these a graph takes is tried once, on a few tokens, against whole rows; graphs without a KV cache, or that take none
-of them, score each pair's whole row (ROWS a run). Only the scored tokens' log-probabilities leave the session (the
-scoring graph of measure/scoring.py).
+once, and scores at its last position every continuation's first own token; its KV cache, copied once per
+continuation, is the past of the runs that score each continuation's other tokens. Many documents run together: their
+stems, sorted by length, in runs of similar lengths (rows padded on the right, which a causal graph never reads; _runs),
+then their continuations, sorted by length, in batches of up to ROWS rows after their stems' caches, each row's past
+masked to its own stem (attention_mask zero over the padding; positions counted from the mask). Graphs that take
+several tokens after a cache for one sequence only (ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention) step
+the batch one token a run instead, the rows done leaving it. A run after a cache always holds two rows or more: int4
+MatMulNBits computes a one-token, one-row run with other kernels (0.1 nats apart on SmolLM2). Which of these a graph
+takes is tried once, on a few tokens, against whole rows; graphs without a KV cache, or that take none of them, score
+each pair's whole row (WHOLE a run). The vocabulary projection runs at the scored positions only, and only their
+log-probabilities leave the session (the scoring graph of measure/scoring.py, select=True).
 
 like="onnxruntime" tokenizes and cuts as lm-eval's `onnxruntime` and `onnxruntime-genai` backends do instead
 (docs/evaluation.md): no special tokens, and a pair past the position limit keeps its last max_length tokens (hf:
@@ -196,7 +197,8 @@ class Likelihood:
                       key=lambda row: (len(tails[row[1]]), len(stems[row[0]].tokens)))
         for i in {i for s in stems for i in s.members} - {i for _, i in rows}:
             results[i] = first[i]
-        for batch in np.array_split(np.arange(len(rows)), -(-len(rows) // ROWS)) if len(rows) > 1 else [range(len(rows))]:
+        rows = rows * 2 if len(rows) == 1 else rows  # two rows a run after a cache (module docstring): a copy
+        for batch in np.array_split(np.arange(len(rows)), -(-len(rows) // ROWS)) if rows else []:
             chosen = [rows[b] for b in batch]
             past, mask = _stacked([caches[k] for k, _ in chosen])
             for (_, i), (value, right) in zip(chosen, self._rows([tails[i] for _, i in chosen], past, mask, run_options)):
