@@ -244,6 +244,24 @@ def test_scoring_log_softmax_has_no_float_sum_bias(vocab):
     assert (plain.run(None, {"x": logits})[0] - exact).mean() > 5e-6  # what the blocks are for
 
 
+@pytest.mark.parametrize("vocab", [49152])
+def test_float_sum_log_softmax_is_torchs(vocab):
+    """scoring_model(float_sum=True), what `--like hf` scores with: ORT's LogSoftmax, which on peaked logits carries the
+    same bias as torch's float32 log_softmax (what lm-eval's `hf` backend takes): equal to it to 2e-6 per entry, both
+    over 5e-6 above float64 on average."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((2, 64, vocab)) * 2.5 + 3).astype(np.float32)
+    logits[..., :3] += 12
+    sess = runtime.session(scoring.scoring_model(_logits_model(vocab), float_sum=True))
+    ours = sess.run([scoring.LOGPROBS], {"x": logits, scoring.TARGETS: np.zeros((2, 64), np.int64)})[0].astype(np.float64)
+    theirs = torch.log_softmax(torch.from_numpy(logits), -1).double().numpy()
+    exact = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    exact -= np.log(np.exp(exact).sum(-1, keepdims=True))
+    assert np.abs(ours - theirs).max() < 2e-6
+    assert (ours - exact).mean() > 5e-6 and (theirs - exact).mean() > 5e-6
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_selected_positions_score_what_every_position_scores(fixture_path, family):
     """scoring_model(select=True) scores only the flat positions it is given (the vocabulary projection reads those rows

@@ -38,13 +38,14 @@ class Reference:
 
 
 
-def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False, select: bool = False) -> ir.Model:
+def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = False, select: bool = False, float_sum: bool = False) -> ir.Model:
     """A copy of `model` that takes `surgery_targets` [batch, seq] and outputs `surgery_nll` [batch, seq]: -log softmax(logits)[target], so one number per token
     leaves the session; then `surgery_logprobs` [batch, seq, vocab] (fetched only for a reference) and `surgery_top1` [batch, seq]; then the outputs named in
     `keep`. compare: also take `surgery_reference` [batch, seq, vocab] (the first model's log-probs) and output `surgery_kl` [batch, seq] = sum_v exp(ref)
     (ref - logprobs), so the vocabulary never leaves the session. select: also take `surgery_positions` [n], flat indices
     (row * seq + position) of the positions scored: the vocabulary projection runs on those only (_select), and targets
-    and the per-token outputs are [1, n]."""
+    and the per-token outputs are [1, n]. float_sum: ONNX Runtime's LogSoftmax, as torch's float32 one computes it (lm-eval's
+    `hf` backend), instead of the exact blocked sum (_log_softmax)."""
     model = model.clone()
     g = model.graph
     logits = next((v for v in g.outputs if v.name == "logits"), None)
@@ -64,7 +65,11 @@ def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = Fal
     if logits.dtype not in (None, ir.DataType.FLOAT):
         nodes.append(ir.node("Cast", [scores], attributes={"to": ir.DataType.FLOAT}))
         scores = nodes[-1].outputs[0]
-    logprobs = _log_softmax(g, nodes, scores, vocab, axis)
+    if float_sum:
+        nodes.append(ir.node("LogSoftmax", [scores], attributes={"axis": -1}))
+        logprobs = nodes[-1].outputs[0]
+    else:
+        logprobs = _log_softmax(g, nodes, scores, vocab, axis)
     nodes.append(ir.node("Unsqueeze", [targets, axis]))
     nodes.append(ir.node("GatherElements", [logprobs, nodes[-1].outputs[0]], attributes={"axis": -1}))
     nodes.append(ir.node("Squeeze", [nodes[-1].outputs[0], axis]))
@@ -126,8 +131,9 @@ def _select(g: ir.Graph, logits: ir.Value, positions: ir.Value) -> ir.Value:
 def _log_softmax(g: ir.Graph, nodes: list[ir.Node], scores: ir.Value, vocab, axis: ir.Value) -> ir.Value:
     """log softmax over the vocabulary, its sum of exponentials taken in blocks of BLOCK (or in float64 where the
     vocabulary's size is not declared): ONNX Runtime's float LogSoftmax adds 49152 terms in one float accumulator and
-    on SmolLM2's logits gives log-probabilities 1.8e-5 too high on average (a bias, not noise; NumPy's pairwise sum and
-    lm-eval's log softmax have none), which summed over a 100-token continuation is 1e-3 nats. Appends to `nodes`."""
+    on SmolLM2's logits gives log-probabilities 1.8e-5 too high on average (a bias, not noise, which torch's float32
+    log_softmax shares and NumPy's pairwise sum has not), 1e-3 nats summed over a 60-token continuation. Appends to
+    `nodes`."""
     top = ir.node("ReduceMax", [scores, axis], attributes={"keepdims": 1})
     shifted = ir.node("Sub", [scores, top.outputs[0]])
     exp = ir.node("Exp", [shifted.outputs[0]])

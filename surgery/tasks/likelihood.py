@@ -18,9 +18,10 @@ takes is tried once, on a few tokens, against whole rows; graphs without a KV ca
 each pair's whole row (WHOLE a run). The vocabulary projection runs at the scored positions only, and only their
 log-probabilities leave the session (the scoring graph of measure/scoring.py, select=True).
 
-like="onnxruntime" tokenizes and cuts as lm-eval's `onnxruntime` and `onnxruntime-genai` backends do instead
-(docs/evaluation.md): no special tokens, and a pair past the position limit keeps its last max_length tokens (hf:
-max_length + 1, the last of which is only a target).
+like="onnxruntime" scores as lm-eval's `onnxruntime` and `onnxruntime-genai` backends do instead (LIKE,
+docs/evaluation.md): no special tokens; a pair past the position limit keeps its last max_length tokens (hf:
+max_length + 1, the last of which is only a target); the log-softmax exact to float rounding, as NumPy's (hf: summed in
+float, as torch's, whose log-probabilities on SmolLM2's 49152 words are 1.8e-5 nats a token high).
 """
 
 from __future__ import annotations
@@ -45,7 +46,19 @@ WHOLE = 16  # rows per run when pairs are scored whole
 TOKENS = 2048  # tokens, padding included, of a run of stems at most
 RUN = 16  # what a run costs besides its tokens, in tokens (reading the weights once): _runs
 DEFAULT_LENGTH = 2048  # lm-eval's when the model states no position limit
-LIKE = ("hf", "onnxruntime")  # the lm-eval backends whose tokenization and cut a Likelihood can follow
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """Where lm-eval's backends score a pair differently, and a Likelihood follows the one it is `like`."""
+
+    special_tokens: bool  # the tokenizer's own (BOS first) or none
+    past_limit: int  # tokens a pair keeps beyond the position limit (hf: one, only a target)
+    float_sum: bool  # log-softmax as torch's float32 one (its exponentials summed in float, 1.8e-5 nats a token high on
+    # SmolLM2, as ORT's LogSoftmax) or exact to float rounding (NumPy's: measure/scoring.py's blocked sum)
+
+
+LIKE = {"hf": Backend(True, 1, True), "onnxruntime": Backend(False, 0, False)}  # lm-eval's backends Likelihood can follow
 PROBE = ([1, 2, 3], [4, 5]), ([1, 2, 3], [4, 6, 7]), ([8, 9, 10, 11, 12], [13]), ([8, 9, 10, 11, 12], [14, 15])
 
 
@@ -84,7 +97,8 @@ class Likelihood:
         path = graph.resolve(folder if folder is not None else model)
         loaded = model if isinstance(model, ir.Model) else graph.load(path)
         self.presents = [v.name for v in loaded.graph.outputs if v.name.startswith("present")]
-        self.session = runtime.session(scoring_model(loaded, keep=self.presents, select=True), options)
+        self.like = LIKE[like]
+        self.session = runtime.session(scoring_model(loaded, keep=self.presents, select=True, float_sum=self.like.float_sum), options)
         self.one_row = any(node.op_type in ops.ONE_ROW_AFTER_PAST for node in loaded.graph.all_nodes())
         self.width: int | None = None
         self.tokenizer = data.load_tokenizer(path)
@@ -93,8 +107,7 @@ class Likelihood:
         self.prefix_token = 0 if prefix is None else prefix  # lm-eval's token before an empty context
         self.prefix_text = self.tokenizer.decode([self.prefix_token], skip_special_tokens=False) or "\0"
         self.eos_token = _special(path.parent, self.tokenizer, ("eos_token",))
-        self.bos = like == "hf"
-        self.window = self.max_length + 1 if self.bos else self.max_length  # tokens a pair keeps past the limit (module docstring)
+        self.window = self.max_length + self.like.past_limit  # tokens a pair keeps past the limit (module docstring)
         self.cached = runtime.has_kv_cache(self.session) and bool(self.presents) and self._after_caches()
 
     def _after_caches(self) -> bool:
@@ -127,7 +140,7 @@ class Likelihood:
     def encode(self, text: str) -> list[int]:
         """lm-eval's tok_encode: the tokenizer's own special tokens (BOS where its post-processor prepends one), none when
         the text starts with the prefix token's text already (`hf`) or when bos is False (`onnxruntime`, `onnxruntime-genai`)."""
-        return self.tokenizer.encode(text, add_special_tokens=self.bos and not text.startswith(self.prefix_text)).ids
+        return self.tokenizer.encode(text, add_special_tokens=self.like.special_tokens and not text.startswith(self.prefix_text)).ids
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """lm-eval's split of a pair into context and continuation tokens."""
@@ -183,7 +196,8 @@ class Likelihood:
         tails = {i: pairs[i][1][len(s.tokens) - s.context :] for s in stems for i in s.members}  # each row's own tokens
         caches: list[dict[str, np.ndarray]] = []
         first: dict[int, tuple[float, bool]] = {}  # each row's tokens scored in its stem's run
-        for chunk in _runs(stems):
+        for run in _cuts([len(s.tokens) for s in stems]):
+            chunk = stems[run.start : run.stop]
             scored = [(j, s.context - 1, s.tokens[s.context :]) for j, s in enumerate(chunk)]
             scored += [(j, len(s.tokens) - 1, tails[i][:1]) for j, s in enumerate(chunk) for i in s.members]
             got, past = self._run(_padded([s.tokens for s in chunk]), scored, run_options=run_options)
@@ -198,7 +212,9 @@ class Likelihood:
         for i in {i for s in stems for i in s.members} - {i for _, i in rows}:
             results[i] = first[i]
         rows = rows * 2 if len(rows) == 1 else rows  # two rows a run after a cache (module docstring): a copy
-        for batch in np.array_split(np.arange(len(rows)), -(-len(rows) // ROWS)) if rows else []:
+        widths = [len(tails[i]) - 1 for _, i in rows]  # tokens a row runs: a batch of chunks is padded to its longest
+        batches = _cuts(widths, least=2) if self.width is None else np.array_split(range(len(rows)), -(-len(rows) // ROWS)) if rows else []
+        for batch in batches:
             chosen = [rows[b] for b in batch]
             past, mask = _stacked([caches[k] for k, _ in chosen])
             for (_, i), (value, right) in zip(chosen, self._rows([tails[i] for _, i in chosen], past, mask, run_options)):
@@ -251,21 +267,23 @@ def _padded(rows: Sequence[Sequence[int]], width: int | None = None) -> np.ndarr
     return out
 
 
-def _runs(stems: Sequence[Stem]) -> list[list[Stem]]:
-    """Stems sorted by length cut into runs, each stem padded to its run's longest, at the least cost: the tokens run,
-    padding included, and RUN more a run; at most ROWS stems and TOKENS tokens a run."""
-    widths = [len(s.tokens) for s in stems]
-    best, cut = [0.0] + [np.inf] * len(stems), [0] * (len(stems) + 1)
-    for end in range(1, len(stems) + 1):
-        for start in range(end - 1, max(-1, end - 1 - ROWS), -1):
-            if start < end - 1 and (end - start) * widths[end - 1] > TOKENS:
+def _cuts(widths: Sequence[int], least: int = 1) -> list[range]:
+    """Items of ascending `widths` cut into runs, each padded to its widest, at the least cost: the tokens run, padding
+    included, and RUN more a run; at most ROWS items and TOKENS tokens a run (one item may pass TOKENS alone), at
+    least `least` items a run where there are that many."""
+    best, cut = [0.0] + [np.inf] * len(widths), [0] * (len(widths) + 1)
+    for end in range(1, len(widths) + 1):
+        for start in range(end - least, max(-1, end - 1 - ROWS), -1):
+            if start < 0 or (start < end - least and (end - start) * widths[end - 1] > TOKENS):
                 break
             cost = best[start] + (end - start) * widths[end - 1] + RUN
             if cost < best[end]:
                 best[end], cut[end] = cost, start
-    runs, end = [], len(stems)
+    if len(widths) and not np.isfinite(best[-1]):  # fewer items than `least`
+        return [range(len(widths))]
+    runs, end = [], len(widths)
     while end:
-        runs.insert(0, list(stems[cut[end] : end]))
+        runs.insert(0, range(cut[end], end))
         end = cut[end]
     return runs
 
