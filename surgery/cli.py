@@ -391,8 +391,8 @@ def evaluate(
     tasks: TaskNames = None,
     limit: Annotated[Optional[int], typer.Option(help="With --tasks: the first N documents of each task (all when unset).", rich_help_panel=MEASURE),
                      AtLeast(1)] = None,
-    like: Annotated[str, typer.Option(help="With --tasks: tokenize as lm-eval's `hf` backend (BOS first) or as its `onnxruntime` and "
-                                      "`onnxruntime-genai` backends (`onnxruntime`: no BOS).", rich_help_panel=MEASURE)] = "hf",
+    like: Annotated[str, typer.Option(help="With --tasks: score as lm-eval's `hf` backend (BOS first, torch's float log-softmax) or its "
+                                      "`onnxruntime` / `onnxruntime-genai` backends (no BOS, exact log-softmax).", rich_help_panel=MEASURE)] = "hf",
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Perplexity, KL and top-1 agreement vs the first, and latency of one or more graphs on ONNX Runtime, side by side;

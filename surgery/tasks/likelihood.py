@@ -8,9 +8,9 @@ continuation's tokens, the oldest cut when they pass the model's position limit.
 Pairs that share a context share its run: their stem (the context and the continuations' common first tokens) runs
 once, and scores at its last position every continuation's first own token; its KV cache, copied once per
 continuation, is the past of the runs that score each continuation's other tokens. Many documents run together: their
-stems, sorted by length, in runs of similar lengths (rows padded on the right, which a causal graph never reads; _runs),
-then their continuations, sorted by length, in batches of up to ROWS rows after their stems' caches, each row's past
-masked to its own stem (attention_mask zero over the padding; positions counted from the mask). Graphs that take
+stems, sorted by length, in runs of similar lengths (rows padded on the right, which a causal graph never reads; _cuts),
+then their continuations, sorted by length, in batches after their stems' caches (cut as the stems are, or ROWS rows
+where the batch steps one token a run), each row's past masked to its own stem (attention_mask zero over the padding; positions counted from the mask). Graphs that take
 several tokens after a cache for one sequence only (ops.ONE_ROW_AFTER_PAST, such as GenAI's GroupQueryAttention) step
 the batch one token a run instead, the rows done leaving it. A run after a cache always holds two rows or more: int4
 MatMulNBits computes a one-token, one-row run with other kernels (0.1 nats apart on SmolLM2). Which of these a graph
@@ -41,10 +41,10 @@ from surgery.files import config, graph, ops
 from surgery.measure.scoring import NLL, POSITIONS, TARGETS, TOP1, scoring_model
 from surgery.text import data
 
-ROWS = 64  # rows of continuations a batch holds after their stems' caches, and stems a run at most
+ROWS = 64  # items (stems, or rows of continuations after their stems' caches) a run or a batch holds at most
 WHOLE = 16  # rows per run when pairs are scored whole
-TOKENS = 2048  # tokens, padding included, of a run of stems at most
-RUN = 16  # what a run costs besides its tokens, in tokens (reading the weights once): _runs
+TOKENS = 2048  # tokens, padding included, of a run at most (_cuts)
+RUN = 16  # what a run costs besides its tokens, in tokens (reading the weights once): _cuts
 DEFAULT_LENGTH = 2048  # lm-eval's when the model states no position limit
 
 
@@ -191,7 +191,8 @@ class Likelihood:
     def _shared(self, stems: Sequence[Stem], pairs, results, run_options: ort.RunOptions | None = None) -> None:
         """Score the pairs of `stems` (two rows or more): the stems, the shortest first, up to TOKENS (padded) a run, each
         scoring its continuations' common tokens and, at its last position, every continuation's next one; then every
-        continuation's other tokens after its stem's cache, in batches of up to ROWS rows, the shortest first."""
+        continuation's other tokens after its stem's cache, the shortest first, in batches cut as the stems are (ROWS rows
+        a batch where it steps one token a run)."""
         stems = sorted(stems, key=lambda s: len(s.tokens))
         tails = {i: pairs[i][1][len(s.tokens) - s.context :] for s in stems for i in s.members}  # each row's own tokens
         caches: list[dict[str, np.ndarray]] = []
