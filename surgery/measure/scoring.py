@@ -54,8 +54,7 @@ def scoring_model(model: ir.Model, keep: Sequence[str] = (), compare: bool = Fal
         raise SurgeryError(f"the graph has no `logits` output (it has {names}); evaluate needs a causal LM from `surgery export`")
     per_token = ir.Shape([1, "positions"] if select else ["batch_size", "sequence_length"])
     targets = ir.Value(name=TARGETS, type=ir.TensorType(ir.DataType.INT64), shape=per_token)
-    axis = ir.Value(name="surgery/evaluate/last_axis", const_value=ir.tensor(np.array([-1], np.int64), name="surgery/evaluate/last_axis"))
-    g.register_initializer(axis)
+    axis = _constant(g, "last_axis", np.array([-1], np.int64))
     vocab = logits.shape[-1] if logits.shape is not None else None
     scores = logits
     if select:

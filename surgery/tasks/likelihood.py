@@ -253,7 +253,7 @@ class Likelihood:
         positions = [row * width + start + np.arange(len(goal)) for row, start, goal in scored]
         flat = np.concatenate(positions + [np.zeros(1, np.int64)])  # one more, so that no run scores nothing
         targets = np.concatenate([np.asarray(goal, np.int64) for _, _, goal in scored] + [np.zeros(1, np.int64)])
-        feed = runtime.feeds(self.session, ids, past, extra={TARGETS: targets[None], POSITIONS: flat.astype(np.int64)}, mask=mask)
+        feed = runtime.feeds(self.session, ids, past, extra={TARGETS: targets[None], POSITIONS: flat}, mask=mask)
         nll, top1, *presents = self.session.run([NLL, TOP1, *(self.presents if cache else [])], feed, run_options)
         bounds = np.cumsum([0] + [len(goal) for _, _, goal in scored])
         got = [_sums(nll[0, lo:hi], top1[0, lo:hi] == targets[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
